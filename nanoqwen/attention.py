@@ -1,0 +1,149 @@
+"""Attention over a paged KV cache, behind one interface fed by one metadata format.
+
+In transformers each request has its own contiguous KV tensor. Here the keys and values
+of a whole batch live scattered across pages of the shared pool (`kv_pool.py`), so an
+attention kernel needs to know, for each request, which query tokens are new this step
+and which pages hold its keys. We describe that with flashinfer's CSR page table, for a
+batch of `B` requests and `T` new tokens:
+
+* `qo_indptr[B+1]`: request `b`'s new tokens are rows `qo_indptr[b]:qo_indptr[b+1]`.
+* `kv_indptr[B+1]`, `kv_indices`: request `b`'s pages are
+  `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, in token order.
+* `kv_last_page_len[B]`: how many slots of its last page are filled (1..page_size),
+  counting this step's new tokens. So its KV length is `(num_pages - 1) * page_size + last`.
+* `positions[T]`: each new token's position in its sequence (RoPE uses it).
+* `slot_mapping[T]`: the flat pool slot (`page * page_size + offset`) each new token's
+  K/V is written to.
+
+A prefill with a cached prefix, a decode, and any mix of them in one batch are all the
+same thing in this format: a request whose last `q_len` tokens are new and attend
+causally to everything before them.
+
+Each backend does two things per step: `plan(metadata)` once (shared by every layer),
+then `forward(layer, q, k, v)` per layer, which stores the new K/V in their slots and
+attends. `TorchBackend` is the readable reference and runs anywhere; the flashinfer
+backend runs the same metadata through CUDA kernels.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.kv_pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    """The page table of one step, on the model's device (see the module docstring)."""
+
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [num_pages_in_batch]
+    kv_last_page_len: torch.Tensor  # int32 [B]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    # Host-side sizes, so backends can shape their buffers without asking the device.
+    max_q_len: int
+    max_kv_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+    def kv_lens(self, page_size: int) -> torch.Tensor:
+        pages_per_request = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (pages_per_request - 1) * page_size + self.kv_last_page_len
+
+    def q_lens(self) -> torch.Tensor:
+        return self.qo_indptr[1:] - self.qo_indptr[:-1]
+
+
+class AttentionBackend(ABC):
+    """Plan once per step from the page table, then attend once per layer."""
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[T, heads, dim]`, k and v `[T, kv_heads, dim]` → output `[T, heads, dim]`."""
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store this step's keys and values in their pool slots."""
+        k_cache, v_cache = self.pool.layer_cache(layer)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+
+class TorchBackend(AttentionBackend):
+    """Reference attention in plain torch: gather each request's KV into a padded batch.
+
+    `plan` turns the CSR page table into dense index tensors once per step: for every
+    request a row of KV slots `[B, max_kv_len]`, for every new token its place in a padded
+    query block `[B, max_q_len]`, and a mask that is causal by position and hides padding.
+    `forward` then gathers keys/values with those indices and calls SDPA, so each layer
+    costs a gather plus one batched attention call.
+    """
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        page_size = self.pool.page_size
+        device = metadata.kv_indices.device
+        batch, max_q, max_kv = metadata.batch_size, metadata.max_q_len, metadata.max_kv_len
+        kv_lens = metadata.kv_lens(page_size)
+        q_lens = metadata.q_lens()
+
+        # The pool slot of every (request, kv position) pair.
+        kv_pos = torch.arange(max_kv, device=device)
+        page_of_pos = metadata.kv_indptr[:-1, None] + kv_pos // page_size
+        page_of_pos = page_of_pos.clamp(max=metadata.kv_indices.numel() - 1)
+        self.kv_slots = metadata.kv_indices[page_of_pos].long() * page_size + kv_pos % page_size
+
+        # Where each new token sits in the padded [B, max_q] query block.
+        token_request = torch.repeat_interleave(
+            torch.arange(batch, device=device), q_lens, output_size=metadata.positions.numel()
+        )
+        token_offset = torch.arange(metadata.positions.numel(), device=device)
+        token_offset = token_offset - metadata.qo_indptr[token_request].long()
+        self.padded_index = token_request * max_q + token_offset
+
+        # Query j of request b sits at position kv_len - q_len + j; it sees keys at or before it.
+        q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=device)
+        causal = kv_pos[None, None, :] <= q_pos[:, :, None]
+        in_bounds = (kv_pos[None, :] < kv_lens[:, None])[:, None, :]
+        self.mask = (causal & in_bounds)[:, None]  # [B, 1, max_q, max_kv]
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.write_kv(layer, k, v, self.metadata.slot_mapping)
+        k_cache, v_cache = self.pool.layer_cache(layer)
+        flat_shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = k_cache.view(flat_shape)[self.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+        values = v_cache.view(flat_shape)[self.kv_slots].transpose(1, 2)
+
+        batch, max_q = self.mask.shape[0], self.mask.shape[2]
+        padded_q = q.new_zeros(batch * max_q, self.num_heads, self.head_dim)
+        padded_q.index_copy_(0, self.padded_index, q)
+        padded_q = padded_q.view(batch, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded_q, keys, values, attn_mask=self.mask, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(batch * max_q, self.num_heads, self.head_dim)
+        return out[self.padded_index]

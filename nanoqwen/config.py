@@ -1,0 +1,159 @@
+"""Settings: what the engine is asked to do, and what shape the model has.
+
+Two small dataclasses keep every number the rest of the code needs in one place:
+
+* `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
+  memory, chunk size, caching, graphs) and validates them before anything is loaded,
+  so a typo in a dtype fails in one clear line instead of deep inside a kernel.
+* `ModelConfig` is the model's shape, read from the checkpoint's `config.json` through
+  transformers' `AutoConfig`. The decoder in `model.py` is built from it alone; the
+  transformers config object rides along because its rotary-embedding helpers need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`None` means CUDA when it is there, else the CPU; anything else must exist."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda'") from error
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: use 'cpu' or 'cuda'")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA and float32 on the CPU unless told otherwise."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}: use one of float32, bfloat16, float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine is told by its user. Validated in `__post_init__`."""
+
+    model: str
+    device: str | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_cache_memory: int | float | None = None
+    num_pages: int | None = None
+    chunk_size: int | None = None
+    enable_prefix_cache: bool = True
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        for name in ("max_num_seqs", "page_size"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_pages", "chunk_size"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.chunk_size is None:
+            # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
+            self.chunk_size = 8192 if self.device.type == "cuda" else 512
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape: the only facts `model.py` needs about a checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 adds a bias to the q, k and v projections
+    qk_norm: bool  # Qwen3 RMS-normalises each head of q and k before RoPE
+    max_position_embeddings: int
+    rope_type: str
+    hf_config: PretrainedConfig
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> ModelConfig:
+        return cls.from_hf(AutoConfig.from_pretrained(model_dir))
+
+    @classmethod
+    def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:
+        architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}: nanoqwen runs "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r}: nanoqwen supports "
+                + ", ".join(SUPPORTED_ROPE_TYPES)
+            )
+        is_qwen3 = architecture == "Qwen3ForCausalLM"
+        return cls(
+            architecture=architecture,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            qkv_bias=bool(getattr(hf, "attention_bias", False)) if is_qwen3 else True,
+            qk_norm=is_qwen3,
+            max_position_embeddings=hf.max_position_embeddings,
+            rope_type=rope_type,
+            hf_config=hf,
+        )

@@ -1,0 +1,89 @@
+"""The paged KV pool: all attention keys and values live in one preallocated tensor.
+
+A transformers model grows a fresh KV tensor per request and per step. A server cannot
+afford that: requests come and go, lengths are unknown in advance, and allocating on
+every step fragments memory. Instead, like an operating system's virtual memory, we cut
+one big buffer into fixed-size *pages* of `page_size` token slots and give each request a
+*page table*: the list of page numbers that hold its tokens, in order. Token `i` of a
+request lives in page `pages[i // page_size]`, slot `i % page_size`.
+
+Data structure: `kv[layer, 0 or 1 (K or V), page, slot, kv_head, head_dim]`, allocated
+once; a free list of page numbers; a reference count per page. A page can have several
+holders at once (two requests sharing a prompt prefix, or a request and the prefix
+cache), so it returns to the free list only when its last holder releases it.
+
+Page 0 is the *scratch page*: never handed out, it absorbs the writes of padding rows
+when a decode batch is padded up to a CUDA-graph bucket.
+
+Invariant: a page is in the free list exactly when its reference count is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCRATCH_PAGE = 0
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.kv = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.ref_counts = [0] * num_pages
+        # Popping from the end hands out low page numbers first, which keeps tests readable.
+        self.free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V caches, each `[num_pages, page_size, kv_heads, head_dim]`."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` free pages, each with one holder (the caller)."""
+        if count > len(self.free_pages):
+            raise RuntimeError(f"asked for {count} pages, only {len(self.free_pages)} free")
+        pages = [self.free_pages.pop() for _ in range(count)]
+        for page in pages:
+            self.ref_counts[page] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """Add one holder to each page (it must already be held by someone)."""
+        for page in pages:
+            assert self.ref_counts[page] > 0, f"retain of free page {page}"
+            self.ref_counts[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one holder from each page; pages nobody holds go back to the free list."""
+        for page in pages:
+            assert self.ref_counts[page] > 0, f"release of free page {page}"
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free_pages.append(page)

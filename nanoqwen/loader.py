@@ -1,0 +1,149 @@
+"""Find a checkpoint and stream its safetensors weights into the fused model.
+
+A checkpoint is a directory with `config.json`, tokenizer files and one or more
+`.safetensors` files (several "shards" plus a `model.safetensors.index.json` for large
+models). A hub id such as `Qwen/Qwen3-0.6B` is downloaded first, fetching only those
+files.
+
+Loading reads one tensor at a time, so peak memory is the model plus one tensor, and
+maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
+row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
+Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
+don't know, or one of the wrong shape is an error naming that weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+
+from nanoqwen.config import ModelConfig
+from nanoqwen.model import QwenForCausalLM, RotaryEmbedding
+
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+# transformers name → (our fused parameter, index of its block).
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; otherwise a hub id, downloaded (or found in the local cache)."""
+    if os.path.isdir(model):
+        return model
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_like_path:
+        raise ValueError(f"model path not found: {model}")
+    try:
+        return snapshot_download(model, allow_patterns=CHECKPOINT_FILES)
+    except Exception as error:  # network, auth or missing-repo errors all mean the same here
+        raise ValueError(
+            f"could not find model {model!r} locally or download it from the hub "
+            f"({type(error).__name__}); pass a local checkpoint directory instead"
+        ) from error
+
+
+def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> QwenForCausalLM:
+    """Build the decoder on `device` in `dtype` and fill it from the checkpoint."""
+    # Build on the meta device (no memory, no random init), then allocate for real.
+    with default_dtype(dtype), torch.device("meta"):
+        model = QwenForCausalLM(config)
+    model.to_empty(device=device)
+    model.tie_weights()  # allocation gave the tied pair two separate tensors
+    model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
+    params = dict(model.named_parameters())
+    filled: dict[str, set[int]] = {name: set() for name in params}
+    for name, tensor in iter_checkpoint(model_dir):
+        target, block = map_name(name, config)
+        if target is None:
+            continue
+        if target not in params:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint {model_dir}")
+        copy_block(params[target], tensor, block, config, name)
+        filled[target].add(block)
+    check_all_filled(filled, config, model_dir)
+    return model.eval()
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every safetensors shard, one tensor at a time."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights found in {model_dir}")
+    for file in files:
+        with safe_open(os.path.join(model_dir, file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:
+    """transformers' parameter name → (our parameter name or None to skip, block index)."""
+    if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+        return None, 0  # computed buffers, or a copy of the embedding we already tie to
+    for part, (_, block) in FUSED.items():
+        if f".{part}." in name:
+            return fused_name(name), block
+    return name, 0
+
+
+def block_rows(param_name: str, config: ModelConfig) -> list[int]:
+    """How many rows each block of a (possibly fused) parameter has."""
+    if ".qkv_proj." in param_name:
+        kv = config.num_kv_heads * config.head_dim
+        return [config.num_heads * config.head_dim, kv, kv]
+    if ".gate_up_proj." in param_name:
+        return [config.intermediate_size] * 2
+    return []
+
+
+def copy_block(
+    param: torch.Tensor, tensor: torch.Tensor, block: int, config: ModelConfig, name: str
+) -> None:
+    target = param.data
+    rows = block_rows(fused_name(name), config)
+    if rows:
+        target = target.narrow(0, sum(rows[:block]), rows[block])
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"shape mismatch for weight {name!r}: checkpoint has {tuple(tensor.shape)}, "
+            f"model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def fused_name(name: str) -> str:
+    for part, (fused, _) in FUSED.items():
+        name = name.replace(f".{part}.", f".{fused}.")
+    return name
+
+
+def check_all_filled(filled: dict[str, set[int]], config: ModelConfig, model_dir: str) -> None:
+    for name, blocks in filled.items():
+        expected = len(block_rows(name, config)) or 1
+        if len(blocks) < expected:
+            raise ValueError(f"missing weight {name!r} in checkpoint {model_dir}")

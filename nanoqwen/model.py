@@ -1,0 +1,215 @@
+"""The Qwen2 / Qwen3 decoder in plain torch, shaped for serving.
+
+The maths is the same as transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM`:
+
+    embed → N × [RMSNorm → attention → +residual → RMSNorm → SwiGLU MLP → +residual]
+          → RMSNorm → lm_head
+
+Three things differ, and they are why an engine has its own model code:
+
+* **A flat batch.** Inputs are one `[T]` vector of token ids from many requests (a
+  prefill chunk of one, one decode token of another, ...), not a padded `[B, S]` block.
+  Each token carries its own position; the attention backend knows from the page table
+  which request each token belongs to.
+* **Fused projections.** q, k and v are one matmul (`qkv_proj`), gate and up another
+  (`gate_up_proj`): fewer, larger kernels. The loader concatenates the checkpoint's
+  separate weights into them.
+* **Logits only where needed.** The vocabulary projection is the biggest matmul per
+  token, yet only the last token of each request is sampled. `forward` takes the rows to
+  sample and never builds a `[T, vocab]` tensor; a prefill chunk that samples nothing
+  skips the lm_head entirely.
+
+Qwen2 adds a bias to q/k/v; Qwen3 instead RMS-normalises each head of q and k before
+RoPE and may tie the lm_head to the embedding. `ModelConfig` carries these switches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from nanoqwen.attention import AttentionBackend, AttentionMetadata
+from nanoqwen.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before scaling, exactly as transformers does,
+        # so bf16 results round the same way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate each (q, k) pair of channels by an angle proportional to position.
+
+    The inverse frequencies and the cos/sin scale come from transformers' own helpers, so
+    `linear` and `yarn` scaling mean exactly what they mean there. `dynamic` (NTK) scaling
+    widens the base once a sequence outgrows the trained context; transformers decides that
+    from the longest sequence in the forward pass, which for one request is its own length,
+    so here every token uses its own request's length.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        init = ROPE_INIT_FUNCTIONS.get(config.rope_type, _default_rope_parameters)
+        inv_freq, self.attention_scaling = init(config.hf_config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, metadata: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq[None, :]
+        if self.config.rope_type == "dynamic":
+            inv_freq = self._dynamic_inv_freq(metadata)
+        freqs = positions[:, None].float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def _dynamic_inv_freq(self, metadata: AttentionMetadata) -> torch.Tensor:
+        """Per-token inverse frequencies: each token scaled for its own request's length."""
+        # A request's length is one past the position of its last token in this step.
+        request_lens = metadata.positions[metadata.qo_indptr[1:].long() - 1] + 1
+        seq_lens = torch.repeat_interleave(request_lens, metadata.q_lens())
+        inv_freq = self.inv_freq[None, :].expand(seq_lens.numel(), -1).clone()
+        trained = self.config.max_position_embeddings
+        for seq_len in seq_lens[seq_lens > trained].unique().tolist():
+            longer, _ = ROPE_INIT_FUNCTIONS["dynamic"](
+                self.config.hf_config, self.inv_freq.device, seq_len=seq_len
+            )
+            inv_freq[seq_lens == seq_len] = longer
+        return inv_freq
+
+
+def _default_rope_parameters(hf_config, device) -> tuple[torch.Tensor, float]:
+    base = hf_config.rope_parameters["rope_theta"]
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, dim]`, cos/sin `[T, dim]`."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer, q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class QwenModel(nn.Module):
+    """Embedding, decoder layers and final norm; parameter names follow transformers'."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class QwenForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = QwenModel(config)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run `[T]` tokens through the decoder; return logits `[len(sample_rows), vocab]`."""
+        hidden = self.model.embed_tokens(input_ids)
+        rope = self.rotary(metadata.positions, metadata, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, rope, backend)
+        return self.compute_logits(hidden[sample_rows])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(0, self.config.vocab_size)
+        return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,316 @@
+"""Batched sampling with per-request parameters.
+
+Problem: one decode step produces a logits row for every running request, and each request
+carries its own sampling settings (temperature, top-k, top-p, min-p, penalties, seed). Turning
+the ``[B, vocab]`` logits into ``B`` token ids must stay on the device, be vectorised across
+rows, and cost exactly one device→host transfer (the final ``.tolist()``), because it runs on
+every step.
+
+Pipeline, in the order vLLM and the OpenAI API define it:
+
+1. penalties on the raw logits: repetition (tokens seen in prompt or output; divide positive
+   logits, multiply negative ones), then presence/frequency (output tokens only:
+   ``logit -= frequency * count + presence * (count > 0)``);
+2. greedy rows (temperature 0, or top_k 1) take the argmax and are done;
+3. the other rows: divide by temperature, softmax, drop tokens outside top-k, outside the top-p
+   nucleus, and below ``min_p * max_prob``, then draw a token.
+
+Drawing uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. picks token
+``i`` with probability ``probs[i] / sum(probs)``. Dropped tokens have probability 0 and can never
+win, and no renormalisation is needed. The point of the trick is that the noise is an
+ordinary tensor, so each seeded row can fill its own noise row from its own generator.
+
+Invariant: a row's result depends only on that row's logits, parameters, token history and
+generator, so a seeded request yields the same tokens whatever else shares the batch and
+whichever row it occupies. Every filter is an exact no-op for rows that disable it, so
+switching a stage on for one row never perturbs the others.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# Below this temperature the sampled distribution is the argmax up to float precision, while
+# dividing by it could overflow the logits to inf; such rows are sampled greedily (as in vLLM).
+_GREEDY_TEMPERATURE = 1e-5
+
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token of one request, and when to stop generating.
+
+    ``stop`` and ``stop_token_ids`` are normalised to (possibly empty) lists.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.temperature = _real("temperature", self.temperature)
+        self.top_p = _real("top_p", self.top_p)
+        self.top_k = _integer("top_k", self.top_k)
+        self.min_p = _real("min_p", self.min_p)
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty)
+
+        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", ">= 0 (0 disables it)", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, "in [-2, 2]", value)
+
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+            _check(_MIN_SEED <= self.seed <= _MAX_SEED, "seed", "a 64-bit integer", self.seed)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty when there are none)."""
+        return list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request always takes the most likely token."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _real(name: str, value: object) -> float:
+    # bool is an int subclass, but True as a temperature is a bug, not a number.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in strings):
+        raise ValueError("stop must not contain empty strings (they would match immediately)")
+    return list(strings)
+
+
+def _stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
+            raise ValueError(f"stop_token_ids must hold ints >= 0, got {token_id!r}")
+    return [int(token_id) for token_id in ids]
+
+
+class SamplingRequest(Protocol):
+    """What the sampler reads from a request (the engine's request object provides it)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # on the logits' device; set iff params.seed is set
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, living on the device its logits live on."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Turns a batch of logits rows into one token id per request."""
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[int]:
+        """Pick the next token for each row of ``logits`` ``[B, vocab]`` under its params."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [len(requests), vocab] = [{len(requests)}, vocab], "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = _apply_penalties(logits, requests)
+        sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
+        if not sampled_rows:
+            return logits.argmax(dim=-1).tolist()
+        if len(sampled_rows) == len(requests):
+            return _sample_rows(logits, requests).tolist()
+        token_ids = logits.argmax(dim=-1)
+        rows = _to_device(sampled_rows, torch.int64, logits.device)
+        token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
+        return token_ids.tolist()
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Penalised float32 logits; the caller's tensor itself when no row uses a penalty."""
+    params = [request.params for request in requests]
+    uses_repetition = [p.uses_repetition_penalty for p in params]
+    uses_output = [p.uses_output_penalties for p in params]
+    if not any(uses_repetition) and not any(uses_output):
+        return logits
+    # Always copy: .float() would alias a float32 input, and the edits below are in place.
+    logits = logits.to(torch.float32, copy=True)
+    vocab_size, device = logits.shape[-1], logits.device
+
+    if any(uses_repetition):
+        # Rows without the penalty get no history, so they stay untouched (penalty 1 anyway).
+        histories = [
+            r.prompt_token_ids + r.output_token_ids if uses else []
+            for r, uses in zip(requests, uses_repetition)
+        ]
+        seen = _token_counts(histories, vocab_size, device) > 0
+        penalty = _to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+
+    if any(uses_output):
+        outputs = [r.output_token_ids if uses else [] for r, uses in zip(requests, uses_output)]
+        counts = _token_counts(outputs, vocab_size, device)
+        frequency = _to_device([p.frequency_penalty for p in params], torch.float32, device)
+        presence = _to_device([p.presence_penalty for p in params], torch.float32, device)
+        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Draw one token per row (none of them greedy) from the filtered, tempered distribution."""
+    params = [request.params for request in requests]
+    logits = logits.float()
+    if any(p.temperature != 1.0 for p in params):
+        temperature = _to_device([p.temperature for p in params], torch.float32, logits.device)
+        logits = logits / temperature[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        _drop_outside_top_k_top_p(probs, params)
+    if any(p.min_p > 0.0 for p in params):
+        _drop_below_min_p(probs, params)
+    return probs.div_(_exponential_noise(probs, requests)).argmax(dim=-1)
+
+
+def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Zero (in place) the tokens outside each row's top-k, then outside its top-p nucleus.
+
+    Both filters are cut-offs on the rank of a token, so one descending sort serves both.
+    """
+    vocab_size, device = probs.shape[-1], probs.device
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    top_k = _to_device([p.top_k or vocab_size for p in params], torch.int64, device)
+    drop = torch.arange(vocab_size, device=device) >= top_k[:, None]
+    if any(p.top_p < 1.0 for p in params):
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        cumulative = kept.cumsum(dim=-1)
+        mass_before = cumulative - kept
+        # Top-p applies to the distribution left by top-k, hence the scaling by the kept total.
+        # Rows with top_p == 1 get an unreachable threshold: rounding in the cumulative sum
+        # could otherwise drop their tail.
+        top_p = _to_device([p.top_p if p.top_p < 1.0 else math.inf for p in params],
+                           torch.float32, device)
+        # A token is in the nucleus if the mass strictly before it is still short of top_p;
+        # the top token (mass_before 0) is therefore always kept.
+        drop |= mass_before >= top_p[:, None] * cumulative[:, -1:]
+    drop_in_vocab_order = torch.empty_like(drop).scatter_(1, order, drop)
+    probs.masked_fill_(drop_in_vocab_order, 0.0)
+
+
+def _drop_below_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Zero (in place) the tokens less likely than ``min_p`` times the row's top probability.
+
+    The test is a ratio, so it gives the same answer before or after renormalisation.
+    """
+    min_p = _to_device([p.min_p for p in params], torch.float32, probs.device)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _exponential_noise(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs``: seeded rows from their own generator, the rest shared."""
+    noise = torch.empty_like(probs)
+    seeded_rows = []
+    for row, request in enumerate(requests):
+        if request.generator is not None:
+            seeded_rows.append((row, request.generator))
+        elif request.params.seed is not None:
+            raise ValueError(
+                f"request in row {row} has seed {request.params.seed} but no generator"
+            )
+    if len(seeded_rows) < len(requests):
+        noise.exponential_()
+    for row, generator in seeded_rows:
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
+def _token_counts(token_lists: Sequence[list[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[rows, vocab]`` float32 occurrence counts of each row's token ids.
+
+    Ragged rows are padded with the id ``vocab_size``, which lands in a spare last column that
+    is sliced off, so padding needs no mask.
+    """
+    width = max((len(ids) for ids in token_lists), default=0)
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
+    index = _to_device(padded, torch.int64, device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Copy host values to ``device`` without making the host wait for queued GPU work.
+
+    A blocking copy from pageable memory synchronises the stream; staging through pinned
+    memory lets the copy be queued behind the forward pass like any kernel.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -1,0 +1,262 @@
+"""Continuous batching: decide, every step, which requests run and how many tokens each.
+
+A static batch waits for its slowest member. Continuous batching instead re-forms the
+batch at every step: finished requests leave, waiting ones join, and one forward pass
+serves requests at different stages. The unit of work is uniform: a request has
+`num_tokens` tokens of which the first `num_computed_tokens` already have K/V in its
+pages; a step computes the next `n` of them. A prefill is a request with many uncomputed
+tokens, a decode is one with exactly one (the token sampled last step). Once a step
+computes a request's last token, the model's logits for it give the next token.
+
+Policy, every step:
+
+1. **Running requests first, oldest first.** Each decode gets its one token. A request
+   still prefilling gets a chunk of its prompt from the step's prefill budget
+   (`chunk_size` tokens, shared by all prefills in the step; decodes don't spend it). So
+   decodes are never starved by a long prompt: every step carries every running decode,
+   plus at most `chunk_size` prompt tokens.
+2. **Then admission, first come first served**, while the budget, `max_num_seqs` and
+   free pages allow. An admitted request first asks the prefix cache for the longest
+   page-aligned prefix it already holds and only computes the rest. A request whose next
+   page is being computed right now by another request's prefill waits one step, so it
+   can reuse that page instead of computing a copy.
+3. **Pages on demand.** A request gets pages as its computed length crosses page
+   boundaries. When none are free, cached pages are evicted (LRU); if that is not
+   enough, the most recently admitted running request is *preempted*: its pages are
+   released (its full pages stay in the prefix cache) and it goes back to the head of the
+   waiting queue, to be recomputed later. A request that cannot fit even alone finishes
+   with reason "length".
+
+Invariant: every page a request holds covers tokens `[0, len(pages) * page_size)` of it,
+and `num_computed_tokens <= len(pages) * page_size`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from nanoqwen.kv_pool import KVPool
+from nanoqwen.radix_cache import RadixCache
+from nanoqwen.sampler import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # the prompt, then every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until admitted
+    num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `requests[i]` computes its next `num_new_tokens[i]` tokens."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    def samples(self, index: int) -> bool:
+        """Does this step reach request `index`'s last token (so its logits get sampled)?"""
+        request = self.requests[index]
+        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: KVPool,
+        cache: RadixCache | None,
+        max_num_seqs: int,
+        chunk_size: int,
+    ) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.page_size = pool.page_size
+        self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_out_of_memory: list[Request] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queue management
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out of the queues for good, caching and releasing its pages."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self._release_pages(request)
+        request.status, request.finish_reason = Status.FINISHED, reason
+
+    def _release_pages(self, request: Request) -> None:
+        self._offer_to_cache(request)
+        self.pool.release(request.pages)
+        request.pages = []
+        request.num_computed_tokens = 0
+        request.num_pages_in_cache = 0
+
+    def _offer_to_cache(self, request: Request) -> None:
+        """Give the prefix cache every full page of computed tokens it hasn't seen yet."""
+        full_pages = request.num_computed_tokens // self.page_size
+        if self.cache is None or full_pages <= request.num_pages_in_cache:
+            return
+        self.cache.insert(request.token_ids[: full_pages * self.page_size], request.pages[:full_pages])
+        request.num_pages_in_cache = full_pages
+
+    # ----------------------------------------------------------------- the step
+    def schedule(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch([], [])
+        budget = self._schedule_running(batch, self.chunk_size)
+        self._admit_waiting(batch, budget)
+        return batch if batch.requests else None
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = 1 if remaining == 1 else min(remaining, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._grow_or_preempt(request, request.num_computed_tokens + num_new):
+                continue  # `request` itself was preempted or finished: the list shifted
+            batch.requests.append(request)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new if remaining > 1 else 0
+            index += 1
+        return budget
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        """Give `request` pages for `num_tokens` tokens, preempting newer requests if needed."""
+        while not self._grow(request, num_tokens):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still out of pages: it can never fit in this pool.
+                self.finish(request, "length")
+                self.finished_out_of_memory.append(request)
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.page_size) - len(request.pages)
+        if needed <= 0:
+            return True
+        if not self._make_free(needed):
+            return False
+        request.pages.extend(self.pool.allocate(needed))
+        return True
+
+    def _make_free(self, num_pages: int) -> bool:
+        shortfall = num_pages - self.pool.num_free_pages
+        if shortfall > 0 and self.cache is not None:
+            self.cache.evict(shortfall)
+        return self.pool.num_free_pages >= num_pages
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_pages(request)
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            if not self._admit(request, batch, budget, deferred):
+                break
+            if request.status is Status.RUNNING:
+                budget -= batch.num_new_tokens[-1]
+        self.waiting.extendleft(reversed(deferred))
+
+    def _admit(
+        self, request: Request, batch: ScheduledBatch, budget: int, deferred: list[Request]
+    ) -> bool:
+        """Try to start `request`. False means stop admitting (the pool is full)."""
+        # Leave at least one token to compute: its logits give the next token.
+        pages = self.cache.match(request.token_ids[: request.num_tokens - 1]) if self.cache else []
+        num_cached = len(pages) * self.page_size
+        if self._next_page_in_flight(request, num_cached):
+            self.pool.release(pages)
+            deferred.append(request)
+            return True
+        num_new = min(request.num_tokens - num_cached, budget)
+        request.pages, request.num_computed_tokens = pages, num_cached
+        request.num_pages_in_cache = len(pages)
+        if not self._grow(request, num_cached + num_new):
+            self.pool.release(request.pages)
+            request.pages, request.num_computed_tokens, request.num_pages_in_cache = [], 0, 0
+            self.waiting.appendleft(request)
+            return False
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            if self.cache is not None:
+                self.cache.record_query(request.num_prompt_tokens, num_cached)
+        request.status = Status.RUNNING
+        self.running.append(request)
+        batch.requests.append(request)
+        batch.num_new_tokens.append(num_new)
+        return True
+
+    def _next_page_in_flight(self, request: Request, start: int) -> bool:
+        """Is another running request about to compute the page `request` needs next?"""
+        if self.cache is None or start + self.page_size >= request.num_tokens:
+            return False
+        next_page = request.token_ids[start : start + self.page_size]
+        return any(
+            other.num_computed_tokens <= start < other.num_tokens - 1
+            and other.token_ids[start : start + self.page_size] == next_page
+            and other.token_ids[:start] == request.token_ids[:start]
+            for other in self.running
+        )
+
+    # ----------------------------------------------------------------- after the forward
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's tokens now have K/V; offer new full pages to the cache."""
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += num_new
+            self._offer_to_cache(request)
