@@ -18,7 +18,9 @@ Bad input fails in `add_request` with a `ValueError`, before anything is queued.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,29 @@ class _Tracked:
     new_token_ids: list[int]
 
 
+class PhaseTimer:
+    """Wall time spent in each phase of `step()`, summed over steps (for the benchmark).
+
+    On CUDA the forward pass only launches kernels; the wait for them lands in "sample",
+    where the chosen ids are copied to the host.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds, self.steps = {}, 0
+
+
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
@@ -83,6 +108,7 @@ class LLMEngine:
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.timer = PhaseTimer()
 
     # ----------------------------------------------------------------- set-up
     def _max_model_len(self) -> int:
@@ -194,26 +220,30 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that moved."""
-        batch = self.scheduler.schedule()
-        outputs = [self._finish_evicted(request) for request in self._drain_out_of_memory()]
+        with self.timer.phase("schedule"):
+            batch = self.scheduler.schedule()
+            outputs = [self._finish(self.requests[r.request_id], "length") for r in self._drain_out_of_memory()]
         if batch is None:
             return outputs
-        sampled_requests, token_ids = self.runner.run(batch)
-        self.scheduler.advance(batch)
-        for request, token_id in zip(sampled_requests, token_ids):
-            outputs.append(self._append_token(self.requests[request.request_id], token_id))
+        with self.timer.phase("prepare"):
+            inputs = self.runner.prepare(batch)
+        with self.timer.phase("forward"):
+            logits = self.runner.forward(inputs)
+        with self.timer.phase("sample"):
+            token_ids = self.runner.sample(logits, inputs)
+        with self.timer.phase("postprocess"):
+            self.scheduler.advance(batch)
+            for request, token_id in zip(inputs.sampled_requests, token_ids):
+                outputs.append(self._append_token(self.requests[request.request_id], token_id))
+        self.timer.steps += 1
         return outputs
 
     def _drain_out_of_memory(self) -> list[Request]:
         finished, self.scheduler.finished_out_of_memory = self.scheduler.finished_out_of_memory, []
         return finished
 
-    def _finish_evicted(self, request: Request) -> RequestOutput:
-        tracked = self.requests[request.request_id]
-        return self._finish(tracked, "length")
-
     def _append_token(self, tracked: _Tracked, token_id: int) -> RequestOutput:
-        request, params = tracked.request, tracked.request.params
+        request = tracked.request
         request.token_ids.append(token_id)
         tracked.new_token_ids.append(token_id)
         self.num_generated_tokens += 1

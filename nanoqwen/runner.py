@@ -99,10 +99,11 @@ class ModelRunner:
         self.backend.plan(inputs.metadata)
         return self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Run one step; return the requests that sampled and the token each got."""
-        inputs = build_step_inputs(batch, self.page_size, self.device)
-        logits = self.forward(inputs)
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        return build_step_inputs(batch, self.page_size, self.device)
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[int]:
+        """The next token of every request that reached its last token this step."""
         if not inputs.sampled_requests:
-            return [], []
-        return inputs.sampled_requests, self.sampler.sample(logits, inputs.sampled_requests)
+            return []
+        return self.sampler.sample(logits, inputs.sampled_requests)
