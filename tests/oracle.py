@@ -1,0 +1,96 @@
+"""What the engine is checked against: transformers on the same weights, and page accounting.
+
+`hf_greedy` / `hf_last_logits` run transformers' own Qwen model, one prompt at a time, as
+the ground truth for token ids and logits. `check_page_accounting` recomputes, from the
+requests' page tables and the prefix tree, who holds every page of the KV pool, and
+checks that the pool's free list and reference counts agree.
+"""
+
+from collections import Counter
+from functools import lru_cache
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from nanoqwen import LLMEngine, RequestOutput, SamplingParams
+from nanoqwen.kv_pool import SCRATCH_PAGE
+
+
+@lru_cache(maxsize=8)
+def hf_model(model_dir: str) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, never stopping early."""
+    ids = torch.tensor([prompt])
+    out = hf_model(model_dir).generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # prompts may contain the pad id; nothing is padding
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_last_logits(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    return hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1]
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_to_completion(engine: LLMEngine, check: bool = True) -> dict[str, RequestOutput]:
+    """Step until every request finishes, checking the page accounting after each step."""
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        if check:
+            check_page_accounting(engine)
+    return final
+
+
+def check_page_accounting(engine: LLMEngine) -> None:
+    """Every page is exactly one of free, cached (tree only) or in use (held by requests)."""
+    pool, cache = engine.pool, engine.cache
+    request_holds = Counter(
+        page for tracked in engine.requests.values() for page in tracked.request.pages
+    )
+    tree_pages = cache.pages() if cache is not None else []
+    tree_holds = Counter(tree_pages)
+    assert all(count == 1 for count in tree_holds.values()), "a page appears twice in the tree"
+    assert SCRATCH_PAGE not in request_holds and SCRATCH_PAGE not in tree_holds
+    free = set(pool.free_pages)
+    assert len(free) == len(pool.free_pages), "a page is twice in the free list"
+    assert SCRATCH_PAGE not in free
+    free_count = cached_count = used_count = 0
+    for page in range(1, pool.num_pages):
+        holders = request_holds[page] + tree_holds[page]
+        assert pool.ref_counts[page] == holders, f"page {page}: refcount != holders"
+        assert (page in free) == (holders == 0), f"page {page}: free list disagrees"
+        if holders == 0:
+            free_count += 1
+        elif request_holds[page] == 0:
+            cached_count += 1
+        else:
+            used_count += 1
+    assert free_count + cached_count + used_count == pool.num_usable_pages
+    stats = engine.stats()
+    assert (stats["pages_free"], stats["pages_cached"], stats["pages_used"]) == (
+        free_count, cached_count, used_count
+    )
+    if cache is not None:
+        assert cache.num_pages == len(tree_pages)

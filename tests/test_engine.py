@@ -1,0 +1,241 @@
+"""The core engine against transformers: same logits, same greedy tokens, any batch."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoqwen import LLM, SamplingParams
+from oracle import (
+    check_page_accounting,
+    greedy,
+    hf_greedy,
+    hf_last_logits,
+    random_prompts,
+    run_to_completion,
+)
+
+MIXED_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 129, 200, 300]
+
+
+@pytest.fixture(scope="module")
+def llms(qwen2_dir: str, qwen3_dir: str) -> dict[str, LLM]:
+    return {d: LLM(d, device="cpu") for d in (qwen2_dir, qwen3_dir)}
+
+
+@pytest.fixture
+def llm(llms: dict[str, LLM], model_dir: str) -> LLM:
+    return llms[model_dir]
+
+
+def vocab(llm: LLM) -> int:
+    return llm.engine.model_config.vocab_size
+
+
+def test_greedy_batch_matches_transformers(llm: LLM, model_dir: str) -> None:
+    prompts = random_prompts(vocab(llm), MIXED_LENGTHS, seed=1)
+    outputs = llm.generate(prompts, greedy(32))
+    for prompt, output in zip(prompts, outputs):
+        assert output.prompt_token_ids == prompt
+        assert output.token_ids == hf_greedy(model_dir, prompt, 32), f"prompt of {len(prompt)}"
+        assert output.finish_reason == "length"
+
+
+def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
+    engine = llm.engine
+    prompts = random_prompts(vocab(llm), [1, 9, 40, 250], seed=2)
+    for prompt in prompts:
+        engine.add_request(prompt, greedy(1))
+    batch = engine.scheduler.schedule()
+    inputs = engine.runner.prepare(batch)
+    logits = engine.runner.forward(inputs)
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], hf_last_logits(model_dir, prompt), atol=1e-4, rtol=0)
+    engine.scheduler.advance(batch)
+    for request in list(engine.requests):
+        engine.abort(request)
+    check_page_accounting(engine)
+
+
+def test_output_is_independent_of_batch(llm: LLM) -> None:
+    probe = random_prompts(vocab(llm), [45], seed=3)[0]
+    others = random_prompts(vocab(llm), [5 + 9 * i for i in range(31)], seed=4)
+    alone = llm.generate([probe], greedy(24))[0].token_ids
+    in_batch = llm.generate(others[:15] + [probe] + others[15:], greedy(24))[15].token_ids
+    assert in_batch == alone
+
+    # Joining a batch that is already decoding.
+    engine = llm.engine
+    for prompt in others[:8]:
+        engine.add_request(prompt, greedy(40))
+    for _ in range(5):
+        engine.step()
+    probe_id = engine.add_request(probe, greedy(24))
+    final = run_to_completion(engine)
+    assert final[probe_id].token_ids == alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    prompts = random_prompts(vocab(llm), [3, 30], seed=5)
+    expected = [o.token_ids for o in llm.generate(prompts, greedy(12))]
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, top1)] == expected
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(llm: LLM) -> None:
+    probe = random_prompts(vocab(llm), [20], seed=6)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([probe], seeded)[0].token_ids
+    companions = random_prompts(vocab(llm), [4, 50, 11], seed=7)
+    noisy = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate(companions + [probe], [noisy, noisy, noisy, seeded])
+    assert outputs[-1].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True)
+    assert llm.generate([probe], other_seed)[0].token_ids != alone
+
+
+def test_generate_accepts_text_and_keeps_prompt_order(llm: LLM) -> None:
+    texts = ["hello world", "the quick brown fox", "café 你好 😀"]
+    outputs = llm.generate(texts, greedy(5))
+    for text, output in zip(texts, outputs):
+        assert output.prompt_token_ids == llm.tokenizer.encode(text)
+        assert output.text == llm.tokenizer.decode(output.token_ids)
+        assert len(output.token_ids) == 5
+
+
+def test_chat_uses_the_chat_template(llm: LLM) -> None:
+    conversation = [{"role": "user", "content": "hello"}]
+    output = llm.chat([conversation], greedy(4))[0]
+    assert output.prompt_token_ids == llm.tokenizer.apply_chat_template(conversation)
+    assert llm.chat(conversation, greedy(4))[0].token_ids == output.token_ids
+
+
+def test_eos_list_is_honoured(
+    llm: LLM, model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request stops at the first token of its eos set, unless ignore_eos."""
+    config = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    assert llm.tokenizer.eos_token_ids == frozenset(config["eos_token_id"])
+
+    prompt = random_prompts(vocab(llm), [12], seed=8)[0]
+    free_run = llm.generate([prompt], greedy(20))[0].token_ids
+    # The random model never picks the real eos ids; declare two of its own picks eos instead.
+    eos_list = [free_run[9], free_run[4]]
+    monkeypatch.setattr(llm.tokenizer, "eos_token_ids", frozenset(eos_list))
+    first_eos = min(free_run.index(token) for token in eos_list)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.token_ids == free_run[: first_eos + 1] and out.finish_reason == "stop"
+    ignoring = llm.generate([prompt], greedy(20))[0]
+    assert ignoring.token_ids == free_run and ignoring.finish_reason == "length"
+
+
+def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    prompt = random_prompts(vocab(llm), [10], seed=9)[0]
+    free = llm.generate([prompt], greedy(24))[0]
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+
+    # A stop string made of the end of one token's text and the start of the next one's.
+    pieces = [llm.tokenizer.decode([t]) for t in free.token_ids]
+    boundary = next(i for i in range(3, 20) if pieces[i] and pieces[i + 1])
+    stop = pieces[boundary][-1] + pieces[boundary + 1][:1]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=stop))[0]
+    assert stop not in out.text
+    assert out.finish_reason == "stop"
+    assert free.text.startswith(out.text) and free.text[len(out.text) :].startswith(stop)
+
+
+def test_stream_never_sends_half_a_character(llm: LLM) -> None:
+    """Every streamed prefix is final: a half-sent character would later change."""
+    prompt = llm.tokenizer.encode("你好 😀 café")
+    streamed, outputs = "", []
+    for output in llm.stream(prompt, greedy(60)):
+        streamed += output.delta_text
+        outputs.append((streamed, output))
+    final = outputs[-1][1]
+    assert final.finished
+    full_text = llm.tokenizer.decode(final.token_ids)
+    assert streamed == final.text == full_text
+    multi_byte_tokens = 0
+    for text_so_far, output in outputs:
+        assert full_text.startswith(text_so_far)
+        decoded = llm.tokenizer.decode(output.token_ids)
+        multi_byte_tokens += decoded.endswith("\ufffd")
+    assert multi_byte_tokens > 0, "the stream never ended inside a character; test is vacuous"
+
+
+def test_closing_a_stream_aborts_and_frees_pages(llm: LLM) -> None:
+    stream = llm.stream(random_prompts(vocab(llm), [40], seed=10)[0], greedy(100))
+    next(stream)
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["pages_used"] == 0
+    assert llm.stats()["finished"]["abort"] >= 1
+
+
+def test_max_model_len_finishes_with_length(model_dir: str) -> None:
+    llm = LLM(model_dir, device="cpu", max_model_len=24)
+    out = llm.generate([list(range(3, 23))], greedy(100))[0]
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 24
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_p=1.5), "min_p"),
+    ],
+)
+def test_invalid_sampling_params_raise(params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params)
+
+
+def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
+    engine = llm.engine
+    good = engine.add_request([5, 6, 7], greedy(3))
+    too_long = [7] * engine.max_model_len
+    for bad, message in [
+        ("", "empty"),
+        ([], "empty"),
+        (too_long, "max_model_len"),
+        ([vocab(llm) + 5], "token ids"),
+        (3.5, "prompt must be"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(bad, greedy(3))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], greedy(3), request_id=good)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], greedy(3))
+    assert list(engine.requests) == [good]
+    assert run_to_completion(engine)[good].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(dtype="float8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(page_size=0), "page_size"),
+    ],
+)
+def test_bad_engine_options_raise(qwen3_dir: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(qwen3_dir, **options)
+
+
+def test_cuda_without_cuda_is_a_clear_error(qwen3_dir: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        LLM(qwen3_dir, device="cuda")
