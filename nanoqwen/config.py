@@ -123,7 +123,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
-        return cls.from_hf(AutoConfig.from_pretrained(model_dir))
+        try:
+            hf = AutoConfig.from_pretrained(model_dir)
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"could not read the model config in {model_dir}: {error}") from error
+        return cls.from_hf(hf)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:

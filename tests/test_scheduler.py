@@ -1,0 +1,182 @@
+"""Prefix cache, chunked prefill and preemption: outputs never change, pages always add up."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoqwen import LLM, LLMEngine, SamplingParams
+from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+
+VOCAB = 800
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    ids = [engine.add_request(p, params) for p in prompts]
+    final = run_to_completion(engine)
+    return [final[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir: str) -> LLM:
+    """Cache off, one big chunk, a large pool: the plain way to compute everything."""
+    return LLM(qwen3_dir, enable_prefix_cache=False, chunk_size=100_000)
+
+
+def test_shared_prefix_is_computed_once(qwen3_dir: str, reference: LLM) -> None:
+    prefix = random_prompts(VOCAB, [200], seed=20)[0]
+    tails = random_prompts(VOCAB, [3 + i for i in range(16)], seed=21)
+    prompts = [prefix + tail for tail in tails]
+    engine = LLMEngine(qwen3_dir)
+    outputs = generate(engine, prompts, greedy(8))
+    full_prefix_pages = len(prefix) // 16 * 16
+    assert [o.num_cached_tokens >= full_prefix_pages for o in outputs[1:]] == [True] * 15
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference.generate(prompts, greedy(8))]
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] >= 15 * full_prefix_pages
+    assert stats["prefix_hit_rate"] == stats["prefix_hit_tokens"] / stats["prefix_query_tokens"]
+
+
+def test_second_turn_reuses_first_turn_prompt_and_answer(qwen3_dir: str) -> None:
+    engine = LLMEngine(qwen3_dir)
+    turn1 = random_prompts(VOCAB, [37], seed=22)[0]
+    answer = generate(engine, [turn1], greedy(30))[0].token_ids
+    turn2 = turn1 + answer + random_prompts(VOCAB, [9], seed=23)[0]
+    second = generate(engine, [turn2], greedy(5))[0]
+    # The last answer token was sampled but never fed back, so its K/V does not exist yet.
+    computed = len(turn1) + len(answer) - 1
+    assert second.num_cached_tokens == computed // 16 * 16
+    assert second.num_cached_tokens > len(turn1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 100_000])
+def test_chunking_and_paging_never_change_outputs(
+    qwen2_dir: str, chunk_size: int, page_size: int
+) -> None:
+    prompts = random_prompts(VOCAB, [1, 15, 16, 17, 70], seed=24)
+    prompts.append(prompts[3][:16] + [5, 6, 7])  # shares a full page with another prompt
+    expected = LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(10))
+    engine = LLMEngine(qwen2_dir, chunk_size=chunk_size, page_size=page_size)
+    outputs = generate(engine, prompts, greedy(10))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+def test_decodes_advance_every_step_while_a_long_prompt_prefills(qwen3_dir: str) -> None:
+    engine = LLMEngine(qwen3_dir, chunk_size=32)
+    decoding = [engine.add_request(p, greedy(200)) for p in random_prompts(VOCAB, [5, 9, 13], seed=25)]
+    for _ in range(3):
+        engine.step()
+    long_id = engine.add_request(random_prompts(VOCAB, [600], seed=26)[0], greedy(4))
+    prefill_steps = 0
+    while engine.requests[long_id].request.num_computed_tokens < 600:
+        moved = {o.request_id for o in engine.step()}
+        assert set(decoding) <= moved, "a running decode got no token this step"
+        prefill_steps += 1
+    assert prefill_steps >= 600 // 32
+
+
+def test_small_pool_preempts_and_still_matches(qwen2_dir: str, reference: LLM) -> None:
+    prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38, 29, 47], seed=27)
+    expected = LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(40))
+    for cache in (True, False):
+        engine = LLMEngine(qwen2_dir, num_pages=14, enable_prefix_cache=cache, chunk_size=48)
+        outputs = generate(engine, prompts, greedy(40))
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert engine.stats()["preemptions"] > 0
+
+
+def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
+    prompts = random_prompts(VOCAB, [40, 33, 50, 21], seed=28)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(4)]
+    roomy = LLM(qwen2_dir).generate(prompts, params)
+    tight = LLMEngine(qwen2_dir, num_pages=9)
+    ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = run_to_completion(tight)
+    assert tight.stats()["preemptions"] > 0
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in roomy]
+
+
+def test_request_that_can_never_fit(qwen2_dir: str) -> None:
+    engine = LLMEngine(qwen2_dir, num_pages=4)  # 3 usable pages: 48 tokens
+    with pytest.raises(ValueError, match="KV pool holds only 48"):
+        engine.add_request(list(range(3, 60)), greedy(5))
+    request_id = engine.add_request(list(range(3, 40)), greedy(100))
+    output = run_to_completion(engine)[request_id]
+    assert output.finish_reason == "length"
+    assert len(output.prompt_token_ids) + len(output.token_ids) == 48 + 1
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_hot_prefix_survives_eviction(qwen3_dir: str) -> None:
+    engine = LLMEngine(qwen3_dir, num_pages=16)  # 15 usable pages
+    hot = random_prompts(VOCAB, [64], seed=29)[0]  # 4 pages
+    colds = random_prompts(VOCAB, [80] * 6, seed=30)  # 5 pages each, never repeated
+    hits = []
+    for index, cold in enumerate(colds):
+        hits.append(generate(engine, [hot + [index + 3]], greedy(2))[0].num_cached_tokens)
+        generate(engine, [cold], greedy(2))
+        check_page_accounting(engine)
+    assert engine.stats()["evicted_pages"] > 0
+    assert hits[0] == 0 and hits[1:] == [64] * 5
+
+
+def test_reset_prefix_cache_frees_everything_unused(qwen3_dir: str) -> None:
+    engine = LLMEngine(qwen3_dir)
+    generate(engine, random_prompts(VOCAB, [50, 70], seed=31), greedy(4))
+    assert engine.stats()["pages_cached"] > 0
+    running = engine.add_request(random_prompts(VOCAB, [40], seed=32)[0], greedy(20))
+    engine.step()
+    engine.reset_prefix_cache()
+    check_page_accounting(engine)
+    stats = engine.stats()
+    assert stats["pages_cached"] == 0 and stats["pages_used"] == 3
+    run_to_completion(engine)
+    assert engine.reset_prefix_cache() > 0
+    assert engine.stats()["pages_free"] == engine.stats()["pages_total"]
+    assert running not in engine.requests
+
+
+@pytest.fixture(scope="module")
+def tight_engine(qwen2_dir: str) -> LLMEngine:
+    return LLMEngine(qwen2_dir, num_pages=24, page_size=4, chunk_size=24, max_num_seqs=6)
+
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 12)),
+        st.tuples(st.just("abort"), st.integers(0, 100)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    ),
+    min_size=5,
+    max_size=40,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS, seed=st.integers(0, 1000))
+def test_random_workload_keeps_pages_consistent(tight_engine: LLMEngine, actions, seed: int) -> None:
+    engine, rng = tight_engine, random.Random(seed)
+    prefixes = random_prompts(VOCAB, [8, 12, 20], seed=seed)
+    added: list[str] = []
+    finished: dict[str, str] = {}
+    for action in actions:
+        if action[0] == "add":
+            _, prefix, length, max_tokens = action
+            prompt = (prefixes[prefix - 1] if prefix else []) + [rng.randrange(3, VOCAB) for _ in range(length)]
+            added.append(engine.add_request(prompt[:80], greedy(max_tokens)))
+        elif action[0] == "abort" and added:
+            output = engine.abort(added[action[1] % len(added)])
+            if output is not None:
+                finished[output.request_id] = output.finish_reason
+        else:
+            for _ in range(action[1]):
+                finished.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+                check_page_accounting(engine)
+    finished.update({i: o.finish_reason for i, o in run_to_completion(engine).items()})
+    assert set(finished) == set(added), "a request was lost"
+    engine.reset_prefix_cache()
+    check_page_accounting(engine)
+    assert engine.stats()["pages_free"] == engine.pool.num_usable_pages
