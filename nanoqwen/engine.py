@@ -21,7 +21,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,14 +46,25 @@ class RequestOutput:
     """A request's progress after a step; the final one has `finished=True`."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
     text: str  # every released character so far (stop strings excluded)
     delta_token_ids: list[int]  # generated this step
     delta_text: str  # released this step: what a stream sends
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    # Token lists are sliced from the request only when read: copying them for every
+    # request on every step would cost more than the rest of the bookkeeping.
+    _request: Request = field(repr=False)
+    _num_tokens: int = field(repr=False)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._request.prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated up to this output."""
+        return self._request.token_ids[self._request.num_prompt_tokens : self._num_tokens]
 
 
 @dataclass(eq=False)
@@ -166,7 +177,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -180,7 +191,8 @@ class LLMEngine:
         self.num_prompt_tokens += len(prompt_ids)
         return request_id
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, or a ValueError saying why it can't be served."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(
@@ -279,14 +291,14 @@ class LLMEngine:
         new_ids, tracked.new_token_ids = tracked.new_token_ids, []
         return RequestOutput(
             request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
             text=tracked.detokenizer.text,
             delta_token_ids=new_ids,
             delta_text=delta,
             finished=request.status is Status.FINISHED,
             finish_reason=request.finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            _request=request,
+            _num_tokens=request.num_tokens,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -331,11 +343,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        prompts = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompts))
-        for prompt in prompts:  # validate everything before queueing anything
-            self.engine._prompt_ids(prompt)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        params_list = _as_params_list(params, len(_as_prompt_list(prompts)))
+        # Tokenize and validate everything before queueing anything.
+        prompt_ids = [self.engine.encode_prompt(p) for p in _as_prompt_list(prompts)]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_ids, params_list)]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(ids):
