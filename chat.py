@@ -1,0 +1,370 @@
+"""Chat with a Qwen model in the terminal: `python chat.py --model Qwen/Qwen3-0.6B`.
+
+A thin command line over `nanoqwen.LLM`. Each turn renders the whole conversation through
+the model's chat template and streams the reply with `LLM.stream`. Re-sending everything
+every turn is cheap because the engine's prefix cache keeps the KV pages of the previous
+turn (its prompt and its reply): turn N+1 only computes what is new. The dim status line
+after each reply shows it, as "prompt tokens from cache".
+
+Qwen3 reasons inside `<think>…</think>` before it answers. `ThinkSplitter` separates the two
+while the text streams in, so the reasoning is shown dimmed above the answer; `--no-think`
+asks the chat template to skip reasoning (`enable_thinking=False`). The reply kept in the
+conversation is the raw text, tags included: Qwen3's template drops old reasoning itself.
+
+Ctrl-C during a reply stops it. The interrupt is only noted while the engine works and acted
+on between steps (an exception in the middle of a step could leave the scheduler half
+updated); closing the stream then aborts the request and frees its pages. The interrupted
+reply stays in the conversation as far as it was shown, so the model sees what the user saw.
+Ctrl-C or Ctrl-D at the prompt exits.
+
+When stdin is not a terminal (`printf 'hi\\nmore\\n' | python chat.py`), every line is one
+user message (or command) and only the answers are printed, one per message, reasoning
+left out, so the chat can be scripted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import click
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from nanoqwen import LLM, RequestOutput, SamplingParams
+from nanoqwen.config import DTYPES
+from nanoqwen.loader import resolve_model_path
+
+with suppress(ImportError):  # not on every platform; where present, input() gets line editing
+    import readline  # noqa: F401
+
+THINK_START, THINK_END = "<think>", "</think>"
+PROMPT = "[bold cyan]you ›[/] "
+HELP = "Commands: /reset (new conversation) · /system TEXT (system prompt) · /stats · /exit"
+Message = dict[str, str]
+
+
+# --------------------------------------------------------------------------- thinking
+class Segment(NamedTuple):
+    text: str
+    thinking: bool
+
+
+class ThinkSplitter:
+    """Splits streamed text into reasoning and answer segments, dropping the tags.
+
+    A tag can arrive cut in two ("<thi" then "nk>"), so a tail that could begin the next
+    tag is held back until the following delta settles it. The newlines that follow a tag
+    are dropped too, so the reasoning and the answer each start with their first line.
+    """
+
+    def __init__(self) -> None:
+        self.thinking = False
+        self._held_back = ""
+        self._strip_newlines = False  # just after a tag
+
+    def feed(self, delta: str) -> list[Segment]:
+        text, self._held_back = self._held_back + delta, ""
+        segments: list[Segment] = []
+        while (index := text.find(self._next_tag)) >= 0:
+            self._emit(segments, text[:index])
+            text = text[index + len(self._next_tag) :]
+            self.thinking = not self.thinking
+            self._strip_newlines = True
+        keep = _partial_tag_length(text, self._next_tag)
+        self._emit(segments, text[: len(text) - keep])
+        self._held_back = text[len(text) - keep :]
+        return segments
+
+    def flush(self) -> list[Segment]:
+        """The stream ended: a held-back tail was not a tag after all."""
+        segments: list[Segment] = []
+        self._emit(segments, self._held_back)
+        self._held_back = ""
+        return segments
+
+    @property
+    def _next_tag(self) -> str:
+        return THINK_END if self.thinking else THINK_START
+
+    def _emit(self, segments: list[Segment], text: str) -> None:
+        if self._strip_newlines:
+            text = text.lstrip("\n")
+            self._strip_newlines = not text
+        if text:
+            segments.append(Segment(text, self.thinking))
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that `tag` starts with."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+# --------------------------------------------------------------------------- one reply
+@dataclass
+class ReplyStats:
+    """What the status line reports about one reply."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token: float | None = None  # seconds from submitting the prompt
+    decode_seconds: float = 0.0  # from the first token to the last
+    interrupted: bool = False
+
+    def record(self, output: RequestOutput, elapsed: float) -> None:
+        self.cached_tokens = output.num_cached_tokens
+        if not output.delta_token_ids:
+            return
+        self.generated_tokens += len(output.delta_token_ids)
+        if self.time_to_first_token is None:
+            self.time_to_first_token = elapsed
+        self.decode_seconds = elapsed - self.time_to_first_token
+
+    def status_line(self) -> str:
+        parts = [f"{self.generated_tokens} tokens"]
+        if self.generated_tokens > 1 and self.decode_seconds > 0:
+            # The first token's time is prefill, reported separately as time to first token.
+            parts.append(f"{(self.generated_tokens - 1) / self.decode_seconds:.1f} tok/s")
+        if self.time_to_first_token is not None:
+            parts.append(f"first token {self.time_to_first_token * 1000:.0f} ms")
+        parts.append(f"{self.cached_tokens}/{self.prompt_tokens} prompt tokens from cache")
+        if self.interrupted:
+            parts.append("interrupted")
+        return " · ".join(parts)
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[threading.Event]:
+    """Within the block Ctrl-C sets the yielded flag instead of raising KeyboardInterrupt."""
+    pressed = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class ReplyPrinter:
+    """Prints a reply as it streams: reasoning dimmed (when shown), then the answer."""
+
+    def __init__(self, console: Console, show_thinking: bool) -> None:
+        self.console = console
+        self.show_thinking = show_thinking
+        self._after_thinking = False
+
+    def print(self, segments: list[Segment]) -> None:
+        for segment in segments:
+            if segment.thinking:
+                if self.show_thinking:
+                    self.console.out(segment.text, style="dim italic", end="")
+                    self._after_thinking = True
+                continue
+            if self._after_thinking:
+                self.console.out("\n", end="")  # a blank line between reasoning and answer
+                self._after_thinking = False
+            self.console.out(segment.text, end="")
+
+
+# --------------------------------------------------------------------------- the session
+class ChatSession:
+    """A conversation with the model and the commands that act on it."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        params: SamplingParams,
+        enable_thinking: bool | None,
+        system: str | None,
+        console: Console,
+        interactive: bool,
+    ) -> None:
+        self.llm = llm
+        self.params = params
+        self.enable_thinking = enable_thinking
+        self.system = system
+        self.console = console
+        self.interactive = interactive
+        self.messages: list[Message] = []
+
+    def conversation(self) -> list[Message]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def handle(self, line: str) -> bool:
+        """Act on one line of input; False means the user asked to leave."""
+        if not line.startswith("/"):
+            self.reply(line)
+            return True
+        command, _, argument = line.partition(" ")
+        if command in ("/exit", "/quit"):
+            return False
+        if command == "/reset":
+            self.messages = []
+            self._notice("New conversation.")
+        elif command == "/system":
+            self.system = argument.strip() or None
+            self._notice(f"System prompt: {self.system or '(none)'}")
+        elif command == "/stats":
+            self.console.print(stats_table(self.llm.stats()))
+        else:
+            self.console.print(HELP, markup=False)
+        return True
+
+    def reply(self, user_text: str) -> None:
+        self.messages.append({"role": "user", "content": user_text})
+        prompt_ids = self.llm.chat_prompt(self.conversation(), self.enable_thinking)
+        try:
+            text, stats = self._stream(prompt_ids)
+        except ValueError as error:  # the prompt was refused, e.g. longer than max_model_len
+            self.messages.pop()
+            self.console.print(f"error: {error} (/reset starts over)", style="red", markup=False)
+            return
+        self.messages.append({"role": "assistant", "content": text})
+        if self.interactive:
+            self.console.print(stats.status_line(), style="dim", markup=False)
+
+    def _stream(self, prompt_ids: list[int]) -> tuple[str, ReplyStats]:
+        stats = ReplyStats(prompt_tokens=len(prompt_ids))
+        splitter = ThinkSplitter()
+        printer = ReplyPrinter(self.console, show_thinking=self.interactive)
+        text = ""
+        start = time.perf_counter()
+        with deferred_interrupt() as interrupted, closing(
+            self.llm.stream(prompt_ids, self.params)
+        ) as stream:
+            for output in stream:
+                stats.record(output, time.perf_counter() - start)
+                printer.print(splitter.feed(output.delta_text))
+                text = output.text
+                if interrupted.is_set():
+                    stats.interrupted = True
+                    break  # leaving `closing` aborts the request
+        printer.print(splitter.flush())
+        self.console.out("")
+        return text, stats
+
+    def _notice(self, text: str) -> None:
+        if self.interactive:
+            self.console.print(text, style="dim", markup=False)
+
+
+def stats_table(stats: dict[str, Any]) -> Table:
+    table = Table("engine", "value", box=box.SIMPLE, title="Engine stats")
+    for name, value in stats.items():
+        if isinstance(value, dict):  # e.g. finished requests by reason
+            value = ", ".join(f"{key} {count}" for key, count in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        table.add_row(name, str(value))
+    return table
+
+
+def read_lines(console: Console, interactive: bool) -> Iterator[str]:
+    """User input, one stripped non-empty line at a time, until EOF, Ctrl-D or Ctrl-C."""
+    lines = _typed_lines(console) if interactive else sys.stdin
+    try:
+        for line in lines:
+            if line.strip():
+                yield line.strip()
+    except (EOFError, KeyboardInterrupt):
+        console.out("")
+
+
+def _typed_lines(console: Console) -> Iterator[str]:
+    while True:
+        yield console.input(PROMPT)
+
+
+def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
+    """Find (or download) the checkpoint, then build the engine, with a spinner meanwhile."""
+    with console.status(f"Finding {model}…"):
+        try:
+            model_dir = resolve_model_path(model)
+        except ValueError as error:
+            raise click.ClickException(
+                f"{error}. Try --model /path/to/dir with a local checkpoint."
+            ) from None
+    with console.status("Loading weights and warming up…"):
+        try:
+            return LLM(model_dir, **options)
+        except (ValueError, OSError) as error:
+            raise click.ClickException(str(error).splitlines()[0]) from None
+
+
+# --------------------------------------------------------------------------- the command
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--model", default="Qwen/Qwen3-0.6B",
+              help="Hugging Face hub id or local checkpoint directory.")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--temperature", default=0.6, type=click.FloatRange(min=0), help="0 is greedy.")
+@click.option("--top-p", default=0.95, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=20, type=click.IntRange(min=0), help="0 turns it off.")
+@click.option("--max-tokens", default=2048, type=click.IntRange(min=1),
+              help="Most tokens in one reply.")
+@click.option("--seed", default=None, type=int, help="Sampling seed, for repeatable replies.")
+@click.option("--no-think", is_flag=True, help="Ask Qwen3 to answer without reasoning first.")
+@click.option("--device", default=None, help="cpu or cuda. Default: cuda when available.")
+@click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
+              help="Weights and KV-cache dtype. Default: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--max-model-len", default=None, type=click.IntRange(min=1),
+              help="Longest conversation in tokens. Default: the model's.")
+@click.option("--page-size", default=None, type=click.IntRange(min=1),
+              help="Tokens per KV-cache page. Default: the engine's.")
+@click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="KV-cache size: bytes, or a fraction (<= 1) of free GPU memory.")
+@click.option("--num-pages", default=None, type=click.IntRange(min=1),
+              help="KV-cache size in pages (overrides --kv-cache-memory).")
+@click.option("--chunk-size", default=None, type=click.IntRange(min=1),
+              help="Most prompt tokens prefilled per step.")
+@click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache", default=True,
+              help="Reuse the KV of earlier turns.")
+@click.option("--enforce-eager", is_flag=True, help="Run every step eagerly (no CUDA graphs).")
+def main(
+    model: str,
+    system: str | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_tokens: int,
+    seed: int | None,
+    no_think: bool,
+    **engine_options: Any,
+) -> None:
+    """Chat with a Qwen2/Qwen3 model in the terminal; replies stream as they are generated."""
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed
+    )
+    console = Console(highlight=False)
+    interactive = sys.stdin.isatty()
+    options = {name: value for name, value in engine_options.items() if value is not None}
+    # One conversation runs one request at a time: no KV memory or graphs for a batch.
+    options["max_num_seqs"] = 1
+    started = time.perf_counter()
+    llm = load(model, console, options)
+    if interactive:
+        config, stats = llm.engine.config, llm.stats()
+        console.print(
+            f"[bold]{model}[/] on {config.device} ({str(config.dtype).removeprefix('torch.')}) · "
+            f"{stats['pages_total']} KV pages of {stats['page_size']} tokens · "
+            f"loaded in {time.perf_counter() - started:.1f} s",
+        )
+        console.print(f"{HELP} · Ctrl-C stops a reply", style="dim", markup=False)
+    session = ChatSession(llm, params, False if no_think else None, system, console, interactive)
+    for line in read_lines(console, interactive):
+        if not session.handle(line):
+            break
+
+
+if __name__ == "__main__":
+    main()
