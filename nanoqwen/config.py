@@ -74,6 +74,10 @@ class EngineConfig:
     chunk_size: int | None = None
     enable_prefix_cache: bool = True
     enforce_eager: bool = False
+    # Batch sizes decode steps are padded to, each replayed as a CUDA graph (cuda_graph.py).
+    # None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs where graphs can be captured, and
+    # none on the CPU, which has no graphs; given explicitly, the CPU pads to them too.
+    decode_buckets: list[int] | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
 
@@ -85,6 +89,10 @@ class EngineConfig:
         for name in ("max_model_len", "num_pages", "chunk_size"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        if self.decode_buckets is not None:
+            for size in self.decode_buckets:
+                _require_positive_int("every decode_buckets entry", size)
+            self.decode_buckets = sorted(set(self.decode_buckets))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from nanoqwen.attention import TorchBackend
+from nanoqwen.attention import attention_backend_class
 from nanoqwen.config import EngineConfig, ModelConfig
+from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.loader import load_model, resolve_model_path
 from nanoqwen.radix_cache import RadixCache
-from nanoqwen.runner import ModelRunner
+from nanoqwen.runner import ModelRunner, peak_step_memory
 from nanoqwen.sampler import Sampler, SamplingParams, make_generator
 from nanoqwen.scheduler import Request, Scheduler, Status
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -106,14 +107,24 @@ class LLMEngine:
         self.device: torch.device = self.config.device
         self.max_model_len = self._max_model_len()
         self.model = load_model(model_dir, self.model_config, self.config.dtype, self.device)
+        cfg = self.model_config
+        # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
+        self.attention_class = attention_backend_class(self.device, cfg.head_dim, self.config.dtype)
+        self.decode_buckets = decode_buckets(self.config, cfg, self.attention_class)
         self.pool = self._make_pool()
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
         )
-        cfg = self.model_config
-        backend = TorchBackend(self.pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.runner = ModelRunner(self.model, backend, Sampler(), self.pool.page_size, self.device)
+        backend = self.attention_class(self.pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        graphs = (
+            DecodeGraphRunner(self.model, backend, self.decode_buckets, self.max_model_len)
+            if self.decode_buckets
+            else None
+        )
+        self.runner = ModelRunner(
+            self.model, backend, Sampler(), self.pool.page_size, self.device, graphs
+        )
         self.requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -156,9 +167,7 @@ class LLMEngine:
 
     def _default_kv_memory(self) -> float:
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return self.config.gpu_memory_utilization * total - used
+            return self._cuda_kv_memory()
         # On the CPU: room for every sequence at full length, capped at a few GiB.
         page_bytes = KVPool.bytes_per_page(
             self.model_config.num_layers, self.model_config.num_kv_heads,
@@ -166,6 +175,36 @@ class LLMEngine:
         )
         pages_per_seq = -(-self.max_model_len // self.config.page_size)
         return min(CPU_KV_CACHE_BYTES, self.config.max_num_seqs * pages_per_seq * page_bytes)
+
+    def _cuda_kv_memory(self) -> float:
+        """`gpu_memory_utilization` of the GPU, less what everything but the KV pool needs.
+
+        That is what is in use now (weights, the CUDA context), the peak of the biggest
+        step (a full prefill chunk plus a decode token for every sequence, all sampled),
+        and the graph pool, which holds the temporaries of the largest decode bucket for good.
+        """
+        config, page_size = self.config, self.config.page_size
+        num_seqs = config.max_num_seqs
+        activations = peak_step_memory(
+            self.model, self.attention_class, page_size, config.chunk_size + num_seqs, num_seqs
+        )
+        if self.decode_buckets:
+            largest = self.decode_buckets[-1]
+            activations += peak_step_memory(
+                self.model, self.attention_class, page_size, largest, largest
+            )
+        torch.cuda.empty_cache()  # so that `free` counts what the profiling runs left cached
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = config.gpu_memory_utilization * total - (total - free) - activations
+        if budget <= 0:
+            gib = 2**30
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
+                f"{activations / gib:.1f} GiB for activations exceed gpu_memory_utilization="
+                f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB; lower max_num_seqs "
+                "or chunk_size, or raise gpu_memory_utilization"
+            )
+        return budget
 
     # ----------------------------------------------------------------- requests
     def add_request(
