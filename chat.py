@@ -41,6 +41,7 @@ from rich.table import Table
 from nanoqwen import LLM, RequestOutput, SamplingParams
 from nanoqwen.config import DTYPES
 from nanoqwen.loader import resolve_model_path
+from nanoqwen.tokenizer import partial_match_length
 
 with suppress(ImportError):  # not on every platform; where present, input() gets line editing
     import readline  # noqa: F401
@@ -78,7 +79,7 @@ class ThinkSplitter:
             text = text[index + len(self._next_tag) :]
             self.thinking = not self.thinking
             self._strip_newlines = True
-        keep = _partial_tag_length(text, self._next_tag)
+        keep = partial_match_length(text, [self._next_tag])
         self._emit(segments, text[: len(text) - keep])
         self._held_back = text[len(text) - keep :]
         return segments
@@ -100,14 +101,6 @@ class ThinkSplitter:
             self._strip_newlines = not text
         if text:
             segments.append(Segment(text, self.thinking))
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that `tag` starts with."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 # --------------------------------------------------------------------------- one reply

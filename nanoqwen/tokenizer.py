@@ -170,7 +170,7 @@ class IncrementalDetokenizer:
             self.stopped = True
             delta, self._held_back = pending[:start], ""
         else:
-            keep = self._partial_stop_string_length(pending)
+            keep = partial_match_length(pending, self._stop_strings)
             delta, self._held_back = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self._text_parts.append(delta)
         return delta
@@ -185,11 +185,14 @@ class IncrementalDetokenizer:
                 best = candidate if best is None else min(best, candidate)
         return None if best is None else (best[1], best[2])
 
-    def _partial_stop_string_length(self, text: str) -> int:
-        """Length of the longest tail of `text` that some stop string starts with."""
-        longest_possible = max((len(s) - 1 for s in self._stop_strings), default=0)
-        for length in range(min(longest_possible, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(stop_string.startswith(tail) for stop_string in self._stop_strings):
-                return length
-        return 0
+
+def partial_match_length(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that some marker starts with (and is shorter
+    than it): the part of a stream to hold back until the next piece shows whether the
+    marker really follows."""
+    longest_possible = max((len(marker) - 1 for marker in markers), default=0)
+    for length in range(min(longest_possible, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(marker.startswith(tail) for marker in markers):
+            return length
+    return 0
