@@ -1,0 +1,503 @@
+"""The OpenAI-compatible server, tested over real HTTP on a free loopback port.
+
+The unmodified `openai` client is the main oracle for the wire format; the offline `LLM`
+on the same checkpoint is the oracle for the text (greedy decoding is deterministic, and
+the engine's outputs do not depend on what else shares the batch). Tests that need a
+request to still be running when something happens (a disconnect, a timeout, a full
+queue, a shutdown) slow every engine step down, so no outcome depends on machine speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib.util
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from click.testing import CliRunner
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.server import OpenAIServer, make_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# float32 everywhere, so greedy text does not hinge on rounding that varies with batch size.
+ENGINE_OPTIONS: dict[str, Any] = dict(dtype="float32", max_num_seqs=8, page_size=8, num_pages=256)
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "the quick brown fox"},
+]
+GREEDY = dict(temperature=0, max_tokens=12)
+LONG_RUNNING = dict(max_tokens=1000, ignore_eos=True)  # with a slowed engine: seconds
+
+
+# ---------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def running_server(model: str, **options: Any) -> Iterator[OpenAIServer]:
+    """A server on a free port, serving from a thread; on exit, no thread of it survives."""
+    threads_before = threading.active_count()
+    server = make_server(model, "127.0.0.1", 0, **{**ENGINE_OPTIONS, **options})
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(timeout=10)
+        assert threading.active_count() == threads_before, threading.enumerate()
+
+
+def slow_down(server: OpenAIServer, seconds_per_step: float = 0.01) -> None:
+    """Make each engine step take a while, so requests stay in flight long enough to act on."""
+    step = server.engine.step
+
+    def slow_step() -> list:
+        time.sleep(seconds_per_step)
+        return step()
+
+    server.engine.step = slow_step
+
+
+def client_for(server: OpenAIServer, api_key: str = "unused") -> openai.OpenAI:
+    host, port = server.server_address[:2]
+    # No retries: a test must see the first answer, 429s and 5xx included.
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=api_key, max_retries=0)
+
+
+def connect(server: OpenAIServer) -> http.client.HTTPConnection:
+    host, port = server.server_address[:2]
+    return http.client.HTTPConnection(host, port, timeout=30)
+
+
+def call(
+    server: OpenAIServer,
+    method: str,
+    path: str,
+    body: bytes | dict | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, http.client.HTTPMessage, Any]:
+    """One raw HTTP request: (status, headers, JSON body or text)."""
+    connection = connect(server)
+    payload = json.dumps(body).encode() if isinstance(body, dict) else body
+    connection.request(method, path, body=payload, headers=headers or {})
+    response = connection.getresponse()
+    raw = response.read()
+    connection.close()
+    is_json = response.headers.get("Content-Type", "").startswith("application/json")
+    return response.status, response.headers, json.loads(raw) if is_json else raw.decode()
+
+
+def open_stream(server: OpenAIServer, path: str, body: dict) -> http.client.HTTPResponse:
+    """Start a streaming request; the server sends the headers once the engine has it."""
+    connection = connect(server)
+    connection.request("POST", path, body=json.dumps({**body, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200
+    return response
+
+
+def scrape(server: OpenAIServer) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    status, headers, text = call(server, "GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def no_pages_held(server: OpenAIServer) -> bool:
+    samples = scrape(server)
+    running = samples["nanoqwen_requests_running"]
+    return samples['nanoqwen_kv_pages{state="used"}'] == 0 and running == 0
+
+
+def good_request_succeeds(server: OpenAIServer) -> bool:
+    return call(server, "POST", "/v1/completions", {"prompt": "hi", **GREEDY})[0] == 200
+
+
+ABORTS = 'nanoqwen_requests_finished_total{reason="abort"}'
+
+
+def assert_error_shape(body: Any) -> None:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def api_server(model_dir: str) -> Iterator[OpenAIServer]:
+    with running_server(model_dir, max_body_bytes=64 << 10) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: str) -> LLM:
+    return LLM(model_dir, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def client(api_server: OpenAIServer) -> Iterator[openai.OpenAI]:
+    with client_for(api_server) as client:
+        yield client
+
+
+# ---------------------------------------------------------------------------- the openai client
+def test_chat_matches_offline_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
+
+    response = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(offline.chat_prompt(MESSAGES))
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + len(expected.token_ids)
+
+    chunks = list(client.chat.completions.create(
+        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [chunk for chunk in chunks if chunk.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == expected.text
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == expected.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert all(chunk.id == chunks[0].id for chunk in chunks)
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        response.usage.prompt_tokens, response.usage.completion_tokens
+    )
+    # The second time round, the prompt's full pages come from the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_match_offline_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
+    prompt = "hello world, the lazy dog"
+    expected = offline.generate(prompt, SamplingParams(**GREEDY))[0]
+
+    response = client.completions.create(model="m", prompt=prompt, **GREEDY)
+    assert response.object == "text_completion"
+    assert response.choices[0].text == expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+    chunks = list(client.completions.create(
+        model="m", prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
+    ))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+    by_ids = client.completions.create(model="m", prompt=expected.prompt_token_ids, **GREEDY)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_completions_with_a_list_of_prompts(client: openai.OpenAI, offline: LLM) -> None:
+    prompts = ["hello world", "café naïve", "the quick brown fox jumps"]
+    expected = offline.generate(prompts, SamplingParams(**GREEDY))
+
+    response = client.completions.create(model="m", prompt=prompts, **GREEDY)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert [choice.text for choice in response.choices] == [out.text for out in expected]
+    assert response.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in expected)
+
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model="m", prompt=prompts, stream=True, **GREEDY):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [out.text for out in expected]
+
+
+def test_n_samples_count_the_prompt_once(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
+    response = client.chat.completions.create(model="m", messages=MESSAGES, n=3, **GREEDY)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert {choice.message.content for choice in response.choices} == {expected.text}
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 3 * len(expected.token_ids)
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> str:
+        return client.completions.create(
+            model="m", prompt="hello", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12
+        ).choices[0].text
+
+    assert sample() == sample()
+
+
+def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="m", prompt="the lazy dog", **GREEDY).choices[0].text
+    stop = full[4:6]
+    cut = client.completions.create(model="m", prompt="the lazy dog", stop=[stop], **GREEDY)
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [model.id for model in models] == [api_server.settings.model_name]
+
+    assert call(api_server, "GET", "/health")[::2] == (200, {"status": "ok"})
+    status, headers, page = call(api_server, "GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "/v1/chat/completions" in page and "AbortController" in page
+
+    before = scrape(api_server)
+    response = client.completions.create(model="m", prompt="hello world", **GREEDY)
+    after = scrape(api_server)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["nanoqwen_prompt_tokens_total"] == response.usage.prompt_tokens
+    assert delta["nanoqwen_generation_tokens_total"] == response.usage.completion_tokens
+    assert delta["nanoqwen_time_to_first_token_seconds_count"] == 1
+    gaps = response.usage.completion_tokens - 1
+    assert delta["nanoqwen_inter_token_latency_seconds_count"] == gaps
+    assert delta['nanoqwen_http_requests_total{status="200"}'] == 2  # the request, one scrape
+    assert after['nanoqwen_time_to_first_token_seconds_bucket{le="+Inf"}'] == (
+        after["nanoqwen_time_to_first_token_seconds_count"]
+    )
+    pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in ("used", "cached", "free")]
+    assert pages[0] == 0 and sum(pages) == api_server.engine.pool.num_usable_pages
+
+
+# ---------------------------------------------------------------------------- concurrency
+def test_concurrent_streams_match_offline(qwen3_dir: str) -> None:
+    prompts = [f"the quick brown fox {i} jumps over {i * 7} lazy dogs" for i in range(32)]
+    params = dict(temperature=0, max_tokens=8)
+    expected = [out.text for out in LLM(qwen3_dir, **ENGINE_OPTIONS).generate(
+        prompts, SamplingParams(**params)
+    )]
+
+    with running_server(qwen3_dir) as server, client_for(server) as client:
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model="m", prompt=prompt, stream=True, **params)
+            return "".join(chunk.choices[0].text for chunk in chunks)
+
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            assert list(pool.map(stream, prompts)) == expected
+        assert no_pages_held(server)
+        # The 32 streams and the scrape just above (a scrape counts itself after rendering).
+        assert scrape(server)['nanoqwen_http_requests_total{status="200"}'] == 32 + 1
+
+
+# ---------------------------------------------------------------------------- cancellation
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
+def test_disconnected_client_gets_its_request_aborted(qwen3_dir: str, stream: bool) -> None:
+    body = {"prompt": "hello world", **LONG_RUNNING}
+    with running_server(qwen3_dir) as server:
+        slow_down(server)
+        if stream:
+            open_stream(server, "/v1/completions", body).close()
+        else:
+            connection = connect(server)
+            connection.request("POST", "/v1/completions", body=json.dumps(body))
+            wait_until(lambda: scrape(server)["nanoqwen_requests_running"] == 1)
+            connection.close()
+        wait_until(lambda: scrape(server)[ABORTS] == 1)
+        assert no_pages_held(server)
+        assert good_request_succeeds(server)
+
+
+def test_request_timeout_aborts_stale_requests(qwen3_dir: str) -> None:
+    with running_server(qwen3_dir, request_timeout=0.3) as server, client_for(server) as client:
+        slow_down(server)
+        status, _, body = call(server, "POST", "/v1/completions", {"prompt": "hi", **LONG_RUNNING})
+        assert status == 504
+        assert_error_shape(body)
+        assert body["error"]["type"] == "timeout_error"
+
+        with pytest.raises(openai.APIError, match="did not finish"):
+            for _ in client.completions.create(
+                model="m", prompt="hi", stream=True, extra_body=LONG_RUNNING
+            ):
+                pass
+        wait_until(lambda: scrape(server)[ABORTS] == 2)
+        assert no_pages_held(server)
+
+
+def test_full_queue_answers_429(qwen3_dir: str) -> None:
+    # One sequence runs, one may wait: the third concurrent request is refused.
+    with running_server(qwen3_dir, max_num_seqs=1, max_queue=1) as server:
+        slow_down(server)
+        body = {"prompt": "hello world", **LONG_RUNNING}
+        streams = [open_stream(server, "/v1/completions", body) for _ in range(2)]
+        status, headers, error = call(server, "POST", "/v1/completions", body)
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert_error_shape(error)
+        with client_for(server) as client, pytest.raises(openai.RateLimitError):
+            client.completions.create(model="m", prompt="hi", max_tokens=2)
+
+        for response in streams:
+            response.close()
+        wait_until(lambda: no_pages_held(server))
+        wait_until(lambda: good_request_succeeds(server))
+
+
+def test_shutdown_aborts_requests_in_flight(qwen3_dir: str) -> None:
+    with running_server(qwen3_dir) as server:
+        slow_down(server)
+        body = {"messages": MESSAGES, **LONG_RUNNING}
+        response = open_stream(server, "/v1/chat/completions", body)
+        server.shutdown()
+        server.server_close()
+        events = response.read().decode().strip().split("\n\n")
+        assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "not_serving"
+        assert server.engine.stats()["finished"]["abort"] == 1
+        assert server.engine.stats()["pages_used"] == 0
+
+
+# ---------------------------------------------------------------------------- bad input
+BAD_REQUESTS: list[tuple[str, str, str, Any, int]] = [
+    # (case, method, path, body, expected status)
+    ("malformed json", "POST", "/v1/chat/completions", b"{not json", 400),
+    ("body not an object", "POST", "/v1/completions", b"[1, 2]", 400),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": "m"}, 400),
+    ("missing prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400),
+    ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, 400),
+    ("role missing", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
+    ("temperature text", "POST", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400),
+    ("stream not a bool", "POST", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400),
+    ("prompt a number", "POST", "/v1/completions", {"prompt": 42}, 400),
+    ("top_p out of range", "POST", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+    ("max_tokens zero", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("n zero", "POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("token id out of vocab", "POST", "/v1/completions", {"prompt": [10**9]}, 400),
+    ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400),
+    ("unsupported logprobs", "POST", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("unknown route", "GET", "/v1/nothing", None, 404),
+    ("wrong method", "GET", "/v1/chat/completions", None, 405),
+    ("body over the cap", "POST", "/v1/completions", {"prompt": "x" * (100 << 10)}, 413),
+]
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status", [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_requests_get_json_errors(
+    api_server: OpenAIServer, method: str, path: str, body: Any, status: int
+) -> None:
+    got_status, got_headers, error = call(api_server, method, path, body)
+    assert got_status == status, error
+    assert_error_shape(error)
+    if status == 405:
+        assert got_headers["Allow"] == "POST"
+    assert good_request_succeeds(api_server)
+
+
+def test_bad_request_says_what_is_wrong(api_server: OpenAIServer) -> None:
+    status, _, body = call(api_server, "POST", "/v1/completions", {"prompt": "hi", "top_k": -1})
+    assert (status, body["error"]["param"]) == (400, "top_k")
+    too_long = [5] * (api_server.engine.max_model_len + 1)
+    status, _, body = call(api_server, "POST", "/v1/completions", {"prompt": too_long})
+    assert status == 400 and "max_model_len" in body["error"]["message"]
+
+
+def test_announced_oversized_body_is_refused_unread(api_server: OpenAIServer) -> None:
+    connection = connect(api_server)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Length", str(10**9))
+    connection.endheaders()  # and never send the gigabyte
+    response = connection.getresponse()
+    assert response.status == 413
+    assert_error_shape(json.loads(response.read()))
+    connection.close()
+
+
+def test_missing_content_length_is_refused(api_server: OpenAIServer) -> None:
+    connection = connect(api_server)
+    connection.putrequest("POST", "/v1/completions")
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 411
+    assert_error_shape(json.loads(response.read()))
+    connection.close()
+
+
+def test_api_key_guards_the_api(qwen3_dir: str) -> None:
+    with running_server(qwen3_dir, api_key="s3cret") as server:
+        request = {"prompt": "hi", **GREEDY}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, _, body = call(server, "POST", "/v1/completions", request, headers)
+            assert status == 401
+            assert_error_shape(body)
+        with client_for(server, api_key="wrong") as client:
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        with client_for(server, api_key="s3cret") as client:
+            assert client.completions.create(model="m", prompt="hi", **GREEDY).choices[0].text
+        assert call(server, "GET", "/health")[0] == 200  # probes need no key
+
+
+# ---------------------------------------------------------------------------- the CLI
+def load_cli() -> Any:
+    spec = importlib.util.spec_from_file_location("serve", REPO_ROOT / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_help_documents_every_option() -> None:
+    result = CliRunner().invoke(load_cli().main, ["--help"])
+    assert result.exit_code == 0
+    for option in (
+        "--model", "--host", "--port", "--api-key", "--max-queue", "--request-timeout",
+        "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
+        "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
+    ):
+        assert option in result.output
+    assert "127.0.0.1" in result.output
+
+
+def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        port = None
+        log: list[str] = []
+        while port is None:
+            line = process.stderr.readline()
+            assert line, "the server exited before serving:\n" + "".join(log)
+            log.append(line)
+            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
+            port = match and int(match.group(1))
+        base_url = f"http://127.0.0.1:{port}/v1"
+        with openai.OpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
+            reply = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+        assert reply.usage.completion_tokens > 0
+
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=60)[1]
+        assert process.returncode == 0, rest
+        assert re.search(r"POST /v1/chat/completions 200 chatcmpl-\S+ prompt_tokens=\d+", rest)
+        assert "stopped" in rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
