@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoqwen import LLM, RequestOutput, SamplingParams
-from nanoqwen.config import DTYPES
+from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.loader import resolve_model_path
 from nanoqwen.tokenizer import partial_match_length
 
@@ -296,7 +296,12 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
 
 
 # --------------------------------------------------------------------------- the command
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+# One conversation runs one request at a time: no KV memory or graphs for a bigger batch.
+@click.command(context_settings={
+    "show_default": True,
+    "help_option_names": ["-h", "--help"],
+    "default_map": {"max_num_seqs": 1},
+})
 @click.option("--model", default="Qwen/Qwen3-0.6B",
               help="Hugging Face hub id or local checkpoint directory.")
 @click.option("--system", default=None, help="System prompt.")
@@ -307,22 +312,7 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
               help="Most tokens in one reply.")
 @click.option("--seed", default=None, type=int, help="Sampling seed, for repeatable replies.")
 @click.option("--no-think", is_flag=True, help="Ask Qwen3 to answer without reasoning first.")
-@click.option("--device", default=None, help="cpu or cuda. Default: cuda when available.")
-@click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
-              help="Weights and KV-cache dtype. Default: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--max-model-len", default=None, type=click.IntRange(min=1),
-              help="Longest conversation in tokens. Default: the model's.")
-@click.option("--page-size", default=None, type=click.IntRange(min=1),
-              help="Tokens per KV-cache page. Default: the engine's.")
-@click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
-              help="KV-cache size: bytes, or a fraction (<= 1) of free GPU memory.")
-@click.option("--num-pages", default=None, type=click.IntRange(min=1),
-              help="KV-cache size in pages (overrides --kv-cache-memory).")
-@click.option("--chunk-size", default=None, type=click.IntRange(min=1),
-              help="Most prompt tokens prefilled per step.")
-@click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache", default=True,
-              help="Reuse the KV of earlier turns.")
-@click.option("--enforce-eager", is_flag=True, help="Run every step eagerly (no CUDA graphs).")
+@engine_options
 def main(
     model: str,
     system: str | None,
@@ -332,7 +322,7 @@ def main(
     max_tokens: int,
     seed: int | None,
     no_think: bool,
-    **engine_options: Any,
+    **options: Any,
 ) -> None:
     """Chat with a Qwen2/Qwen3 model in the terminal; replies stream as they are generated."""
     params = SamplingParams(
@@ -340,9 +330,7 @@ def main(
     )
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()
-    options = {name: value for name, value in engine_options.items() if value is not None}
-    # One conversation runs one request at a time: no KV memory or graphs for a batch.
-    options["max_num_seqs"] = 1
+    options = pop_engine_options(options)
     started = time.perf_counter()
     llm = load(model, console, options)
     if interactive:

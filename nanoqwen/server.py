@@ -905,6 +905,9 @@ class OpenAIServer(ThreadingHTTPServer):
     """
 
     daemon_threads = False  # so server_close() can wait for the handlers
+    # The listen backlog. http.server's default of 5 makes a burst of clients wait for
+    # (or, on a busy machine, fail) TCP retransmits before they are even accepted.
+    request_queue_size = 1024
 
     def __init__(
         self, address: tuple[str, int], engine: LLMEngine, settings: ServerSettings

@@ -1,0 +1,66 @@
+"""The engine's settings as command-line options, shared by chat.py, serve.py and bench.py.
+
+Each option maps to one `EngineConfig` field and shows that field's default in `--help`,
+so the three tools describe the engine the same way and never disagree about a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from nanoqwen.config import DTYPES, EngineConfig
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def engine_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+ENGINE_OPTIONS = [
+    click.option("--device", default=None, help="cpu or cuda. Default: cuda when available."),
+    click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
+                 help="Weights and KV-cache dtype. Default: bfloat16 on CUDA, float32 on CPU."),
+    click.option("--max-num-seqs", default=engine_default("max_num_seqs"),
+                 type=click.IntRange(min=1), help="Most sequences in one batch."),
+    click.option("--max-model-len", default=None, type=click.IntRange(min=1),
+                 help="Longest sequence, prompt plus output. Default: the model's."),
+    click.option("--page-size", default=engine_default("page_size"), type=click.IntRange(min=1),
+                 help="Tokens per KV-cache page."),
+    click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
+                 help="KV-cache size: bytes, or a fraction (<= 1) of free GPU memory."),
+    click.option("--num-pages", default=None, type=click.IntRange(min=1),
+                 help="KV-cache size in pages (overrides --kv-cache-memory)."),
+    click.option("--chunk-size", default=None, type=click.IntRange(min=1),
+                 help="Most prompt tokens prefilled per step. Default: 8192 on CUDA, 512 on CPU."),
+    click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache",
+                 default=engine_default("enable_prefix_cache"),
+                 help="Reuse the KV pages of prompt prefixes seen before."),
+    click.option("--enforce-eager", is_flag=True, default=engine_default("enforce_eager"),
+                 help="Run every step eagerly (no CUDA graphs)."),
+]
+ENGINE_OPTION_NAMES = (
+    "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
+    "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager",
+)
+
+
+def engine_options(command: Command) -> Command:
+    """Add every engine option to a click command."""
+    for option in reversed(ENGINE_OPTIONS):
+        command = option(command)
+    return command
+
+
+def pop_engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Take the engine options out of a command's arguments, as `LLM(...)` keywords."""
+    engine = {name: options.pop(name) for name in ENGINE_OPTION_NAMES}
+    engine = {name: value for name, value in engine.items() if value is not None}
+    memory = engine.get("kv_cache_memory")
+    if memory is not None and memory > 1:
+        engine["kv_cache_memory"] = int(memory)  # a byte count, not a fraction
+    return engine
