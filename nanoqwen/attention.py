@@ -67,10 +67,6 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         return self.max_q_len == 1
 
-    def kv_lens(self, page_size: int) -> torch.Tensor:
-        pages_per_request = self.kv_indptr[1:] - self.kv_indptr[:-1]
-        return (pages_per_request - 1) * page_size + self.kv_last_page_len
-
     def q_lens(self) -> torch.Tensor:
         return self.qo_indptr[1:] - self.qo_indptr[:-1]
 
@@ -114,43 +110,72 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")
 
 
+@dataclass
+class PaddedGroup:
+    """Requests attended in one SDPA call: queries padded to `[B, max_q]`, keys to `[B, max_kv]`."""
+
+    query_rows: torch.Tensor  # [B, max_q] the row of q each padded query reads
+    kv_slots: torch.Tensor  # [B, max_kv] the pool slot of each key
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] causal by position, hiding padding
+    real_queries: torch.Tensor  # [n] which padded queries (flattened) are real tokens
+    output_rows: torch.Tensor  # [n] the output row each real query fills
+
+
 class TorchBackend(AttentionBackend):
     """Reference attention in plain torch: gather each request's KV into a padded batch.
 
-    `plan` turns the CSR page table into dense index tensors once per step: for every
-    request a row of KV slots `[B, max_kv_len]`, for every new token its place in a padded
-    query block `[B, max_q_len]`, and a mask that is causal by position and hides padding.
-    `forward` then gathers keys/values with those indices and calls SDPA, so each layer
-    costs a gather plus one batched attention call.
+    `plan` turns the CSR page table into dense index tensors once per step, for two groups
+    of requests: decodes (one new token each) and prefills (several). Each group pads its
+    queries to its own longest `q_len` and its keys to its own longest KV, so a step that
+    mixes a 512-token prefill chunk with many decodes doesn't pad every decode to 512
+    queries. `forward` then gathers keys and values with those indices and calls SDPA
+    once per group: a gather plus one batched attention call per layer and group.
     """
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        page_size = self.pool.page_size
-        device = metadata.kv_indices.device
-        batch, max_q, max_kv = metadata.batch_size, metadata.max_q_len, metadata.max_kv_len
-        kv_lens = metadata.kv_lens(page_size)
-        q_lens = metadata.q_lens()
+        q_lens = _lengths(_on_host(metadata.qo_indptr_host, metadata.qo_indptr))
+        is_decode = q_lens == 1
+        self.groups = [
+            self._plan_group(metadata, requests)
+            for requests in (is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten())
+            if requests.numel()
+        ]
+
+    def _plan_group(self, metadata: AttentionMetadata, requests: torch.Tensor) -> PaddedGroup:
+        """Index tensors for the requests `requests` (host indices into the batch)."""
+        page_size, device = self.pool.page_size, metadata.kv_indices.device
+        qo_indptr = _on_host(metadata.qo_indptr_host, metadata.qo_indptr)
+        kv_indptr = _on_host(metadata.kv_indptr_host, metadata.kv_indptr)
+        last_page_len = _on_host(metadata.kv_last_page_len_host, metadata.kv_last_page_len)
+        q_lens = _lengths(qo_indptr)[requests]
+        kv_lens = ((_lengths(kv_indptr) - 1) * page_size + last_page_len)[requests]
+        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
         # The pool slot of every (request, kv position) pair.
+        on_device = requests.to(device, non_blocking=True)
         kv_pos = torch.arange(max_kv, device=device)
-        page_of_pos = metadata.kv_indptr[:-1, None] + kv_pos // page_size
+        page_of_pos = metadata.kv_indptr[on_device, None] + kv_pos // page_size
         page_of_pos = page_of_pos.clamp(max=metadata.kv_indices.numel() - 1)
-        self.kv_slots = metadata.kv_indices[page_of_pos].long() * page_size + kv_pos % page_size
+        kv_slots = metadata.kv_indices[page_of_pos].long() * page_size + kv_pos % page_size
 
-        # Where each new token sits in the padded [B, max_q] query block.
-        token_request = torch.repeat_interleave(
-            torch.arange(batch, device=device), q_lens, output_size=metadata.positions.numel()
-        )
-        token_offset = torch.arange(metadata.positions.numel(), device=device)
-        token_offset = token_offset - metadata.qo_indptr[token_request].long()
-        self.padded_index = token_request * max_q + token_offset
-
-        # Query j of request b sits at position kv_len - q_len + j; it sees keys at or before it.
-        q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=device)
+        # Query j of request b is row qo_start + j of q, at position kv_len - q_len + j; it
+        # sees the keys at or before its position. Padding queries reuse the first row.
+        q_start = qo_indptr[:-1][requests]
+        query_offset = torch.arange(max_q)
+        is_real = query_offset[None, :] < q_lens[:, None]
+        query_rows = torch.where(is_real, q_start[:, None] + query_offset, q_start[:, None])
+        q_pos = (kv_lens - q_lens)[:, None] + query_offset
+        q_pos, kv_lens = q_pos.to(device, non_blocking=True), kv_lens.to(device, non_blocking=True)
         causal = kv_pos[None, None, :] <= q_pos[:, :, None]
         in_bounds = (kv_pos[None, :] < kv_lens[:, None])[:, None, :]
-        self.mask = (causal & in_bounds)[:, None]  # [B, 1, max_q, max_kv]
+        return PaddedGroup(
+            query_rows=query_rows.to(device, non_blocking=True),
+            kv_slots=kv_slots,
+            mask=(causal & in_bounds)[:, None],
+            real_queries=is_real.flatten().nonzero().flatten().to(device, non_blocking=True),
+            output_rows=query_rows[is_real].to(device, non_blocking=True),
+        )
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -158,18 +183,26 @@ class TorchBackend(AttentionBackend):
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
         k_cache, v_cache = self.pool.layer_cache(layer)
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        keys = k_cache.view(flat_shape)[self.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        values = v_cache.view(flat_shape)[self.kv_slots].transpose(1, 2)
+        out = torch.empty_like(q)
+        for group in self.groups:
+            keys = k_cache.view(flat_shape)[group.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+            values = v_cache.view(flat_shape)[group.kv_slots].transpose(1, 2)
+            queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=group.mask, enable_gqa=True
+            )
+            attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            out.index_copy_(0, group.output_rows, attended[group.real_queries])
+        return out
 
-        batch, max_q = self.mask.shape[0], self.mask.shape[2]
-        padded_q = q.new_zeros(batch * max_q, self.num_heads, self.head_dim)
-        padded_q.index_copy_(0, self.padded_index, q)
-        padded_q = padded_q.view(batch, max_q, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded_q, keys, values, attn_mask=self.mask, enable_gqa=True
-        )
-        out = out.transpose(1, 2).reshape(batch * max_q, self.num_heads, self.head_dim)
-        return out[self.padded_index]
+
+def _lengths(indptr: torch.Tensor) -> torch.Tensor:
+    return (indptr[1:] - indptr[:-1]).long()
+
+
+def _on_host(host: torch.Tensor | None, device_tensor: torch.Tensor) -> torch.Tensor:
+    # Metadata built without host copies still works, at the price of a device round trip.
+    return host if host is not None else device_tensor.cpu()
 
 
 # flashinfer's prebuilt kernels cover these; other sizes need a JIT build that may fail.
@@ -301,8 +334,3 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
         return self.wrapper.run(q, self.pool.layer_cache(layer))
-
-
-def _on_host(host: torch.Tensor | None, device_tensor: torch.Tensor) -> torch.Tensor:
-    # Metadata built without host copies still works, at the price of a device round trip.
-    return host if host is not None else device_tensor.cpu()
