@@ -1,0 +1,252 @@
+"""bench.py end to end on tiny models: every reported figure is present and consistent.
+
+The command line runs in a subprocess, exactly as a user runs it (the transformers baseline
+needs a real process to spawn its worker from). Its pure parts (workloads, percentiles) are
+imported and tested directly. No test looks at how fast anything was.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.presets import random_checkpoint, synthetic_tokenizer
+from nanoqwen.tokenizer import Tokenizer
+
+BENCH = Path(__file__).resolve().parents[1] / "bench.py"
+PHASES = {"schedule", "prepare", "forward", "sample", "postprocess", "outside steps"}
+TINY_SHAPE = dict(
+    model_type="qwen3",
+    vocab_size=600,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "result.json"
+    completed = subprocess.run(
+        [sys.executable, str(BENCH), *args, "--device", "cpu", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        # Random-weights checkpoints are cached under here, not in the user's cache.
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(out.read_text())
+
+
+def workload(scenario: str = "random", **overrides: int) -> Any:
+    settings = dict(
+        num_seqs=6, min_input=5, max_input=40, min_output=2, max_output=9, turns=3, seed=0
+    )
+    return bench.Workload(scenario=scenario, **{**settings, **overrides})
+
+
+def cli_args(spec: Any) -> list[str]:
+    """The command-line options of a workload: its fields are named like them."""
+    return [
+        part
+        for name, value in asdict(spec).items()
+        for part in (f"--{name.replace('_', '-')}", str(value))
+    ]
+
+
+def expected_tokens(spec: Any, model_dir: str, vocab_size: int) -> tuple[int, int]:
+    """(input, output) tokens of the workload: a later turn's prompt holds the whole
+    conversation before it, every output its requested length."""
+    sessions = bench.make_sessions(spec, bench.prompt_token_ids(model_dir, vocab_size))
+    inputs = outputs = 0
+    for session in sessions:
+        context = 0
+        for turn in session:
+            prompt = context + len(turn.new_token_ids)
+            inputs, outputs = inputs + prompt, outputs + turn.output_len
+            context = prompt + turn.output_len
+    return inputs, outputs
+
+
+def check_engine_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> None:
+    assert figures["requests"] == spec.num_seqs
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    assert (figures["input_tokens"], figures["output_tokens"]) == expected_tokens(
+        spec, model_dir, vocab_size
+    )
+    assert figures["wall_s"] > 0
+    assert figures["output_tok_s"] == pytest.approx(figures["output_tokens"] / figures["wall_s"])
+    assert figures["total_tok_s"] == pytest.approx(
+        (figures["input_tokens"] + figures["output_tokens"]) / figures["wall_s"]
+    )
+    for latency in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert 0 < figures[latency]["p50"] <= figures[latency]["p95"]
+    # A request's first token comes before its last one.
+    assert figures["ttft_ms"]["p95"] <= figures["e2e_ms"]["p95"]
+    assert 0 < figures["peak_kv_pages"] <= figures["kv_pages_total"]
+    assert 0.0 <= figures["prefix_hit_rate"] <= 1.0
+    assert figures["preemptions"] == 0
+    assert figures["steps"] > 0
+    assert set(figures["phases"]) == PHASES
+    assert sum(p["seconds"] for p in figures["phases"].values()) == pytest.approx(figures["wall_s"])
+    assert all(p["seconds"] >= 0 for p in figures["phases"].values())
+
+
+# --------------------------------------------------------------------------- end to end
+def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) -> None:
+    spec = workload()
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--decode-batch", "4")
+    check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
+    assert result["nanoqwen"]["prefix_hit_rate"] == 0.0  # random prompts share no page
+    decode = result["decode"]
+    assert decode["batch_size"] == 4 and decode["context_tokens"] == spec.min_input
+    assert decode["engine_step_ms"] > 0 and decode["forward_ms"] > 0
+    assert decode["overhead_ratio"] == pytest.approx(
+        decode["engine_step_ms"] / decode["forward_ms"]
+    )
+    assert decode["schedule_prepare_ms"] == pytest.approx(
+        decode["phases_ms_per_step"]["schedule"] + decode["phases_ms_per_step"]["prepare"]
+    )
+
+
+def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
+    spec = workload("shared-prefix", min_input=40, max_input=60)
+    result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--rounds", "2")
+    check_engine_figures(result["nanoqwen"], spec, qwen2_dir)
+    rounds = result["rounds"]["nanoqwen"]
+    assert len(rounds) == 2
+    # The cache is emptied between rounds, so each round finds its hits by itself.
+    assert all(round_figures["prefix_hit_rate"] > 0 for round_figures in rounds)
+    assert "transformers" not in result and "decode" not in result
+
+
+def test_multi_turn_prompts_carry_the_conversation(tmp_path: Path, qwen3_dir: str) -> None:
+    spec = workload("multi-turn", num_seqs=7)  # conversations of 3, 3 and 1 turns
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec))
+    check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
+    assert result["nanoqwen"]["prefix_hit_rate"] > 0  # later turns reuse earlier ones
+
+
+def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_SHAPE))
+    spec = workload(num_seqs=5)
+    options = ["--compare", "hf", "--max-num-seqs", "2", "--rounds", "2"]
+    result = run_bench(tmp_path, "--random-weights", str(config), *cli_args(spec), *options)
+    check_engine_figures(result["nanoqwen"], spec, result["settings"]["model_dir"])
+    ours, theirs = result["rounds"]["nanoqwen"], result["rounds"]["transformers"]
+    assert len(ours) == len(theirs) == 2
+    for baseline in theirs:
+        for key in ("requests", "input_tokens", "output_tokens"):
+            assert baseline[key] == result["nanoqwen"][key]
+        assert baseline["batches"] == 3  # 5 prompts, at most --max-num-seqs per batch
+        assert baseline["output_tok_s"] == pytest.approx(
+            baseline["output_tokens"] / baseline["wall_s"]
+        )
+    assert result["transformers"] in theirs
+    # The speedup compares the two runs of each round, then takes the median (of two: the mean).
+    ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs, strict=True)]
+    assert result["speedup"] == pytest.approx(sum(ratios) / 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "exactly one of --model and --random-weights"),
+        (["--random-weights", "no-such-preset"], "neither a preset"),
+        (["--random-weights", "qwen3-cpu", "--min-input", "9", "--max-input", "3"], "--min-input"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    completed = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
+    assert completed.returncode == 2
+    assert message in completed.stderr
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_workload_is_fixed_by_its_seed() -> None:
+    token_ids = list(range(100, 200))
+    same = bench.make_sessions(workload(seed=3), token_ids)
+    assert same == bench.make_sessions(workload(seed=3), token_ids)
+    assert same != bench.make_sessions(workload(seed=4), token_ids)
+    for session in same:
+        for turn in session:
+            assert 5 <= len(turn.new_token_ids) <= 40 and 2 <= turn.output_len <= 9
+            assert set(turn.new_token_ids) <= set(token_ids)
+
+
+def test_shared_prefix_prompts_start_alike() -> None:
+    sessions = bench.make_sessions(workload("shared-prefix", min_input=12), list(range(1000)))
+    prompts = [session[0].new_token_ids for session in sessions]
+    assert len({tuple(prompt[:12]) for prompt in prompts}) == 1
+    assert len({tuple(prompt) for prompt in prompts}) > 1
+
+
+def test_multi_turn_groups_requests_into_conversations() -> None:
+    sessions = bench.make_sessions(workload("multi-turn", num_seqs=8, turns=3), list(range(1000)))
+    assert [len(session) for session in sessions] == [3, 3, 2]
+
+
+def test_prompts_avoid_special_tokens(qwen3_dir: str) -> None:
+    allowed = set(bench.prompt_token_ids(qwen3_dir, 10**6))
+    assert allowed and not allowed & Tokenizer(qwen3_dir).eos_token_ids
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert bench.percentile([7.0], 95) == 7.0
+    assert bench.percentile([], 50) == 0.0
+
+
+def test_median_round_is_a_whole_round() -> None:
+    rounds = [{"wall_s": 3.0, "steps": 1}, {"wall_s": 1.0, "steps": 2}, {"wall_s": 2.0, "steps": 3}]
+    assert bench.median_round(rounds) == {"wall_s": 2.0, "steps": 3}
+    assert bench.median_round(rounds[:2]) == {"wall_s": 1.0, "steps": 2}
+
+
+# --------------------------------------------------------------------------- presets
+def test_synthetic_tokenizer_fills_the_vocabulary() -> None:
+    tokenizer = synthetic_tokenizer(1000)
+    assert len(tokenizer) == 1000
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 999
+    text = tokenizer.decode(list(range(300, 340)))
+    assert text and text.isascii()  # invented tokens decode to plain words
+
+
+def test_random_checkpoint_is_built_once_and_loads(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_SHAPE))
+    directory = random_checkpoint(str(config), cache_dir=tmp_path / "cache")
+    weights = Path(directory) / "model.safetensors"
+    built_at = weights.stat().st_mtime_ns
+    assert random_checkpoint(str(config), cache_dir=tmp_path / "cache") == directory
+    assert weights.stat().st_mtime_ns == built_at
+    output = LLM(directory, device="cpu").generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    assert len(output[0].token_ids) == 4
