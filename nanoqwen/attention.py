@@ -185,8 +185,8 @@ class TorchBackend(AttentionBackend):
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         for group in self.groups:
-            keys = k_cache.view(flat_shape)[group.kv_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-            values = v_cache.view(flat_shape)[group.kv_slots].transpose(1, 2)
+            keys = _gather(k_cache.view(flat_shape), group.kv_slots)  # [B, kv_heads, L, D]
+            values = _gather(v_cache.view(flat_shape), group.kv_slots)
             queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=group.mask, enable_gqa=True
@@ -194,6 +194,16 @@ class TorchBackend(AttentionBackend):
             attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
             out.index_copy_(0, group.output_rows, attended[group.real_queries])
         return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows `slots` `[B, L]` of a flat `[slots, kv_heads, D]` cache, as `[B, kv_heads, L, D]`.
+
+    `index_select` on the flattened index does what `cache[slots]` does, at about half the
+    cost on CPUs, and this copy is the largest cost of a CPU decode step.
+    """
+    gathered = cache.index_select(0, slots.flatten())
+    return gathered.view(*slots.shape, *cache.shape[1:]).transpose(1, 2)
 
 
 def _lengths(indptr: torch.Tensor) -> torch.Tensor:

@@ -66,11 +66,16 @@ class StepLayout:
         `pages` are its pages up to and including the one holding its last new token.
         """
         page_size, end = self.page_size, start + len(token_ids)
-        self.input_ids.extend(token_ids)
-        self.positions.extend(range(start, end))
-        self.slots.extend(
-            pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)
-        )
+        if len(token_ids) == 1:  # a decode: the common case, kept cheap for big batches
+            self.input_ids.append(token_ids[0])
+            self.positions.append(start)
+            self.slots.append(pages[-1] * page_size + start % page_size)
+        else:
+            self.input_ids.extend(token_ids)
+            self.positions.extend(range(start, end))
+            self.slots.extend(
+                pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)
+            )
         self.qo_indptr.append(self.qo_indptr[-1] + len(token_ids))
         self.kv_indptr.append(self.kv_indptr[-1] + len(pages))
         self.kv_indices.extend(pages)

@@ -181,13 +181,18 @@ class Sampler:
         logits = _apply_penalties(logits, requests)
         sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
         if not sampled_rows:
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits).tolist()
         if len(sampled_rows) == len(requests):
             return _sample_rows(logits, requests).tolist()
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits)
         rows = _to_device(sampled_rows, torch.int64, logits.device)
         token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
         return token_ids.tolist()
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum; `max` finds it faster than `argmax` on CPUs."""
+    return rows.max(dim=-1).indices
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
@@ -233,7 +238,7 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> t
         _drop_outside_top_k_top_p(probs, params)
     if any(p.min_p > 0.0 for p in params):
         _drop_below_min_p(probs, params)
-    return probs.div_(_exponential_noise(probs, requests)).argmax(dim=-1)
+    return _argmax(probs.div_(_exponential_noise(probs, requests)))
 
 
 def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
