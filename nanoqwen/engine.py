@@ -72,7 +72,6 @@ class RequestOutput:
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
-    new_token_ids: list[int]
 
 
 class PhaseTimer:
@@ -225,7 +224,7 @@ class LLMEngine:
             request_id, list(prompt_ids), len(prompt_ids), params, generator=generator
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-        self.requests[request_id] = _Tracked(request, detokenizer, [])
+        self.requests[request_id] = _Tracked(request, detokenizer)
         self.scheduler.add(request)
         self.num_prompt_tokens += len(prompt_ids)
         return request_id
@@ -273,7 +272,10 @@ class LLMEngine:
         """Run one scheduler step; return an output for every request that moved."""
         with self.timer.phase("schedule"):
             batch = self.scheduler.schedule()
-            outputs = [self._finish(self.requests[r.request_id], "length") for r in self._drain_out_of_memory()]
+            outputs = [
+                self._finish(self.requests[r.request_id], "length")
+                for r in self._drain_out_of_memory()
+            ]
         if batch is None:
             return outputs
         with self.timer.phase("prepare"):
@@ -296,13 +298,12 @@ class LLMEngine:
     def _append_token(self, tracked: _Tracked, token_id: int) -> RequestOutput:
         request = tracked.request
         request.token_ids.append(token_id)
-        tracked.new_token_ids.append(token_id)
         self.num_generated_tokens += 1
         delta = tracked.detokenizer.add_token(token_id)
         reason = self._stop_reason(tracked, token_id)
         if reason is not None:
-            return self._finish(tracked, reason, delta)
-        return self._output(tracked, delta)
+            return self._finish(tracked, reason, delta, [token_id])
+        return self._output(tracked, delta, [token_id])
 
     def _stop_reason(self, tracked: _Tracked, token_id: int) -> str | None:
         request, params = tracked.request, tracked.request.params
@@ -314,7 +315,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, tracked: _Tracked, reason: str, delta: str = "") -> RequestOutput:
+    def _finish(
+        self, tracked: _Tracked, reason: str, delta: str = "", new_token_ids: list[int] | None = None
+    ) -> RequestOutput:
         request = tracked.request
         if request.status is not Status.FINISHED:
             self.scheduler.finish(request, reason)
@@ -323,15 +326,14 @@ class LLMEngine:
         delta += tracked.detokenizer.flush()
         del self.requests[request.request_id]
         self.num_finished[reason] += 1
-        return self._output(tracked, delta)
+        return self._output(tracked, delta, new_token_ids or [])
 
-    def _output(self, tracked: _Tracked, delta: str) -> RequestOutput:
+    def _output(self, tracked: _Tracked, delta: str, new_token_ids: list[int]) -> RequestOutput:
         request = tracked.request
-        new_ids, tracked.new_token_ids = tracked.new_token_ids, []
         return RequestOutput(
             request_id=request.request_id,
             text=tracked.detokenizer.text,
-            delta_token_ids=new_ids,
+            delta_token_ids=new_token_ids,
             delta_text=delta,
             finished=request.status is Status.FINISHED,
             finish_reason=request.finish_reason,
