@@ -84,9 +84,6 @@ PHASE_LABELS = {
     "sample": "sample",
     "postprocess": "detokenize + bookkeeping",
 }
-# engine.stats() walks the prefix tree, too slow to call every step on a fast device. Page
-# use grows by at most one page per request per page_size steps, so sampling loses little.
-STATS_EVERY_STEPS = 8
 DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward passes
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 32, 4
 PAD_TOKEN_ID = 0  # any id will do: padded positions are masked out
@@ -228,7 +225,7 @@ def run_engine(
     before = engine.stats()
     task = progress.add_task(description, total=sum(len(s) for s in sessions))
     driver = SessionDriver(engine, sessions)
-    peak_pages = steps = 0
+    peak_pages = 0
     start = time.perf_counter()
     driver.start()
     while engine.has_unfinished_requests():
@@ -238,9 +235,7 @@ def run_engine(
             driver.record(output, now)
             if output.finished:
                 progress.advance(task)
-        if steps % STATS_EVERY_STEPS == 0:
-            peak_pages = max(peak_pages, engine.stats()["pages_used"])
-        steps += 1
+        peak_pages = max(peak_pages, engine.stats()["pages_used"])
     wall = time.perf_counter() - start
     after = engine.stats()
     return EngineRun(

@@ -345,7 +345,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
         pool = self.pool
-        cached = self.cache.num_evictable_pages() if self.cache else 0
+        cached = pool.num_cache_only_pages
         free = pool.num_free_pages
         cache = self.cache
         query = cache.query_tokens if cache else 0

@@ -15,6 +15,10 @@ cache), so it returns to the free list only when its last holder releases it.
 Page 0 is the *scratch page*: never handed out, it absorbs the writes of padding rows
 when a decode batch is padded up to a CUDA-graph bucket.
 
+The pool also counts the pages whose only holder is the prefix cache ("cached" pages,
+the evictable ones), updating the count as references come and go, so that reading it
+costs nothing however large the cache grows.
+
 Invariant: a page is in the free list exactly when its reference count is 0.
 """
 
@@ -44,6 +48,8 @@ class KVPool:
             num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.ref_counts = [0] * num_pages
+        self.in_cache = [False] * num_pages  # does the prefix cache hold a reference?
+        self.num_cache_only_pages = 0
         # Popping from the end hands out low page numbers first, which keeps tests readable.
         self.free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
 
@@ -78,12 +84,38 @@ class KVPool:
         """Add one holder to each page (it must already be held by someone)."""
         for page in pages:
             assert self.ref_counts[page] > 0, f"retain of free page {page}"
-            self.ref_counts[page] += 1
+            self._add_holder(page)
 
     def release(self, pages: list[int]) -> None:
         """Drop one holder from each page; pages nobody holds go back to the free list."""
         for page in pages:
             assert self.ref_counts[page] > 0, f"release of free page {page}"
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                self.free_pages.append(page)
+            self._drop_holder(page)
+
+    def cache_retain(self, pages: list[int]) -> None:
+        """The prefix cache becomes a holder of these pages."""
+        for page in pages:
+            assert not self.in_cache[page], f"page {page} is cached twice"
+            self._add_holder(page)
+            self.in_cache[page] = True
+            self.num_cache_only_pages += self.ref_counts[page] == 1
+
+    def cache_release(self, pages: list[int]) -> None:
+        """The prefix cache lets go of these pages."""
+        for page in pages:
+            assert self.in_cache[page], f"page {page} is not cached"
+            self.num_cache_only_pages -= self.ref_counts[page] == 1
+            self.in_cache[page] = False
+            self._drop_holder(page)
+
+    def _add_holder(self, page: int) -> None:
+        self.ref_counts[page] += 1
+        if self.ref_counts[page] == 2 and self.in_cache[page]:
+            self.num_cache_only_pages -= 1  # a request now uses a cached page
+
+    def _drop_holder(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 1 and self.in_cache[page]:
+            self.num_cache_only_pages += 1  # the last request let go of a cached page
+        elif self.ref_counts[page] == 0:
+            self.free_pages.append(page)

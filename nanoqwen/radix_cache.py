@@ -120,7 +120,7 @@ class RadixCache:
     def _add_leaf(self, parent: Node, tokens: list[int], pages: list[int], now: int) -> None:
         leaf = Node(tokens=tokens, pages=list(pages), parent=parent, last_used=now)
         parent.children[self._key(tokens, 0)] = leaf
-        self.pool.retain(leaf.pages)
+        self.pool.cache_retain(leaf.pages)
         self.num_pages += len(leaf.pages)
 
     def _split(self, node: Node, num_pages: int) -> Node:
@@ -156,7 +156,7 @@ class RadixCache:
         """Drop up to `limit` pages from the end of a leaf, stopping at one a request holds."""
         trimmed = 0
         while leaf.pages and trimmed < limit and self.pool.ref_counts[leaf.pages[-1]] == 1:
-            self.pool.release([leaf.pages.pop()])
+            self.pool.cache_release([leaf.pages.pop()])
             trimmed += 1
         if trimmed:
             # Keep the edge whole pages long; a fully emptied leaf keeps its first page's
@@ -175,10 +175,6 @@ class RadixCache:
             else:
                 leaves.append(node)
         return leaves
-
-    def num_evictable_pages(self) -> int:
-        """Pages only the tree holds (the "cached" ones in the pool's accounting)."""
-        return sum(1 for page in self.pages() if self.pool.ref_counts[page] == 1)
 
     def pages(self) -> list[int]:
         pages, stack = [], [self.root]

@@ -80,6 +80,7 @@ def check_page_accounting(engine: LLMEngine) -> None:
     for page in range(1, pool.num_pages):
         holders = request_holds[page] + tree_holds[page]
         assert pool.ref_counts[page] == holders, f"page {page}: refcount != holders"
+        assert pool.in_cache[page] == (tree_holds[page] == 1), f"page {page}: in_cache is wrong"
         assert (page in free) == (holders == 0), f"page {page}: free list disagrees"
         if holders == 0:
             free_count += 1
