@@ -112,10 +112,10 @@ class AttentionBackend(ABC):
 
 @dataclass
 class PaddedGroup:
-    """Requests attended in one SDPA call: queries padded to `[B, max_q]`, keys to `[B, max_kv]`."""
+    """Requests attended in one SDPA call: queries padded to `[B, max_q]`, keys to whole pages."""
 
     query_rows: torch.Tensor  # [B, max_q] the row of q each padded query reads
-    kv_slots: torch.Tensor  # [B, max_kv] the pool slot of each key
+    kv_pages: torch.Tensor  # [B, max_pages] each request's pages, padded with its last one
     mask: torch.Tensor  # [B, 1, max_q, max_kv] causal by position, hiding padding
     real_queries: torch.Tensor  # [n] which padded queries (flattened) are real tokens
     output_rows: torch.Tensor  # [n] the output row each real query fills
@@ -152,12 +152,15 @@ class TorchBackend(AttentionBackend):
         kv_lens = ((_lengths(kv_indptr) - 1) * page_size + last_page_len)[requests]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
-        # The pool slot of every (request, kv position) pair.
+        # Every request's pages, as a padded [B, max_pages] table. Keys are gathered a page
+        # at a time (one contiguous block each), so a request's keys span whole pages and
+        # the mask hides the slots past its length.
         on_device = requests.to(device, non_blocking=True)
-        kv_pos = torch.arange(max_kv, device=device)
-        page_of_pos = metadata.kv_indptr[on_device, None] + kv_pos // page_size
-        page_of_pos = page_of_pos.clamp(max=metadata.kv_indices.numel() - 1)
-        kv_slots = metadata.kv_indices[page_of_pos].long() * page_size + kv_pos % page_size
+        max_pages = -(-max_kv // page_size)
+        page_index = metadata.kv_indptr[on_device, None] + torch.arange(max_pages, device=device)
+        last_page = (metadata.kv_indptr[on_device + 1] - 1)[:, None]
+        kv_pages = metadata.kv_indices[torch.minimum(page_index, last_page)].long()
+        kv_pos = torch.arange(max_pages * page_size, device=device)
 
         # Query j of request b is row qo_start + j of q, at position kv_len - q_len + j; it
         # sees the keys at or before its position. Padding queries reuse the first row.
@@ -171,7 +174,7 @@ class TorchBackend(AttentionBackend):
         in_bounds = (kv_pos[None, :] < kv_lens[:, None])[:, None, :]
         return PaddedGroup(
             query_rows=query_rows.to(device, non_blocking=True),
-            kv_slots=kv_slots,
+            kv_pages=kv_pages,
             mask=(causal & in_bounds)[:, None],
             real_queries=is_real.flatten().nonzero().flatten().to(device, non_blocking=True),
             output_rows=query_rows[is_real].to(device, non_blocking=True),
@@ -182,11 +185,10 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
         k_cache, v_cache = self.pool.layer_cache(layer)
-        flat_shape = (-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         for group in self.groups:
-            keys = _gather(k_cache.view(flat_shape), group.kv_slots)  # [B, kv_heads, L, D]
-            values = _gather(v_cache.view(flat_shape), group.kv_slots)
+            keys = _gather_pages(k_cache, group.kv_pages)  # [B, kv_heads, L, D]
+            values = _gather_pages(v_cache, group.kv_pages)
             queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=group.mask, enable_gqa=True
@@ -196,14 +198,16 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows `slots` `[B, L]` of a flat `[slots, kv_heads, D]` cache, as `[B, kv_heads, L, D]`.
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Pages `[B, P]` of a `[num_pages, page_size, kv_heads, D]` cache, as
+    `[B, kv_heads, P * page_size, D]`.
 
-    `index_select` on the flattened index does what `cache[slots]` does, at about half the
-    cost on CPUs, and this copy is the largest cost of a CPU decode step.
+    Each page is one contiguous block, so this is one block copy per page. On a CPU this
+    copy, bound by memory bandwidth, is the largest cost of a decode step.
     """
-    gathered = cache.index_select(0, slots.flatten())
-    return gathered.view(*slots.shape, *cache.shape[1:]).transpose(1, 2)
+    batch, num_pages = pages.shape
+    gathered = cache.index_select(0, pages.flatten())
+    return gathered.view(batch, num_pages * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
 def _lengths(indptr: torch.Tensor) -> torch.Tensor:
