@@ -134,22 +134,31 @@ class TorchBackend(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        q_lens = _lengths(_on_host(metadata.qo_indptr_host, metadata.qo_indptr))
+        page_size = self.pool.page_size
+        qo_indptr = _on_host(metadata.qo_indptr_host, metadata.qo_indptr)
+        kv_indptr = _on_host(metadata.kv_indptr_host, metadata.kv_indptr)
+        last_page_len = _on_host(metadata.kv_last_page_len_host, metadata.kv_last_page_len)
+        q_lens = _lengths(qo_indptr)
+        kv_lens = (_lengths(kv_indptr) - 1) * page_size + last_page_len
         is_decode = q_lens == 1
         self.groups = [
-            self._plan_group(metadata, requests)
+            self._plan_group(metadata, requests, qo_indptr[:-1], q_lens, kv_lens)
             for requests in (is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten())
             if requests.numel()
         ]
 
-    def _plan_group(self, metadata: AttentionMetadata, requests: torch.Tensor) -> PaddedGroup:
-        """Index tensors for the requests `requests` (host indices into the batch)."""
+    def _plan_group(
+        self,
+        metadata: AttentionMetadata,
+        requests: torch.Tensor,
+        q_starts: torch.Tensor,
+        q_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+    ) -> PaddedGroup:
+        """Index tensors for `requests` (host indices into the batch, whose host-side query
+        starts, query lengths and KV lengths are given)."""
         page_size, device = self.pool.page_size, metadata.kv_indices.device
-        qo_indptr = _on_host(metadata.qo_indptr_host, metadata.qo_indptr)
-        kv_indptr = _on_host(metadata.kv_indptr_host, metadata.kv_indptr)
-        last_page_len = _on_host(metadata.kv_last_page_len_host, metadata.kv_last_page_len)
-        q_lens = _lengths(qo_indptr)[requests]
-        kv_lens = ((_lengths(kv_indptr) - 1) * page_size + last_page_len)[requests]
+        q_start, q_lens, kv_lens = q_starts[requests], q_lens[requests], kv_lens[requests]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
         # Every request's pages, as a padded [B, max_pages] table. Keys are gathered a page
@@ -164,7 +173,6 @@ class TorchBackend(AttentionBackend):
 
         # Query j of request b is row qo_start + j of q, at position kv_len - q_len + j; it
         # sees the keys at or before its position. Padding queries reuse the first row.
-        q_start = qo_indptr[:-1][requests]
         query_offset = torch.arange(max_q)
         is_real = query_offset[None, :] < q_lens[:, None]
         query_rows = torch.where(is_real, q_start[:, None] + query_offset, q_start[:, None])
