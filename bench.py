@@ -262,15 +262,11 @@ def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
 
 
 # --------------------------------------------------------------------------- summaries
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0-100), interpolating between ranks; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+def percentile(values: Sequence[float], q: int) -> float:
+    """The `q`-th percentile (1-99), interpolating between ranks; 0 for no values."""
+    if len(values) < 2:
+        return float(values[0]) if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def latency_ms(values: Sequence[float]) -> dict[str, float]:
