@@ -29,6 +29,7 @@ picks flashinfer on CUDA whenever it can run the model, and the torch backend ot
 from __future__ import annotations
 
 import logging
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -112,7 +113,8 @@ class AttentionBackend(ABC):
 
 @dataclass
 class PaddedGroup:
-    """Requests attended in one SDPA call: queries padded to `[B, max_q]`, keys to whole pages."""
+    """Requests attended by one SDPA call on copies of their pages: queries padded to
+    `[B, max_q]`, keys and values to whole pages."""
 
     query_rows: torch.Tensor  # [B, max_q] the row of q each padded query reads
     kv_pages: torch.Tensor  # [B, max_pages] each request's pages, padded with its last one
@@ -121,16 +123,53 @@ class PaddedGroup:
     output_rows: torch.Tensor  # [n] the output row each real query fills
 
 
-class TorchBackend(AttentionBackend):
-    """Reference attention in plain torch: gather each request's KV into a padded batch.
+@dataclass
+class SparseDecodeGroup:
+    """Decodes attended straight from the pool, as two sparse-times-dense matrix products.
 
-    `plan` turns the CSR page table into dense index tensors once per step, for two groups
-    of requests: decodes (one new token each) and prefills (several). Each group pads its
-    queries to its own longest `q_len` and its keys to its own longest KV, so a step that
-    mixes a 512-token prefill chunk with many decodes doesn't pad every decode to 512
-    queries. `forward` then gathers keys and values with those indices and calls SDPA
-    once per group: a gather plus one batched attention call per layer and group.
+    Flatten a layer's keys to a `[num_slots * kv_heads, D]` matrix `K`: row
+    `slot * kv_heads + h` is slot `slot` of KV head `h`. Give every (request, query head)
+    one row of a sparse matrix whose nonzero columns are the rows of `K` that query may
+    see: its request's slots, in its head's KV head. Then the scores are `Q @ K.T` sampled
+    at those nonzeros only, and after a softmax along each row the output is
+    `weights @ V`. Both products read the pool's pages where they lie, so nothing is
+    copied; the CSR pattern is the page table spelled out slot by slot.
     """
+
+    query_rows: torch.Tensor  # [B] the row of q (and of the output) of each request
+    pattern: torch.Tensor  # sparse CSR [B * heads, num_slots * kv_heads]; its values unused
+    dense_index: torch.Tensor  # [nnz] each nonzero's place in a flat [B * heads, max_kv]
+    max_kv_len: int
+
+
+# torch multiplies sparse CSR matrices with a sampled dense product in these dtypes only.
+SPARSE_DTYPES = (torch.float32, torch.float64)
+
+
+class TorchBackend(AttentionBackend):
+    """Reference attention in plain torch.
+
+    `plan` turns the CSR page table into index tensors once per step, for two groups of
+    requests, each attended its own way by `forward`:
+
+    * Decodes (one new token each) in float32/float64: a `SparseDecodeGroup`, which reads
+      every key and value once, in place. A decode's cost is reading its KV, so not
+      copying it first is what matters.
+    * Prefills (several new tokens), and decodes in other dtypes: a `PaddedGroup`. Keys and
+      values are gathered into a padded batch, a page per contiguous block copy, and SDPA
+      attends with a mask. The copy is small next to the attention of many queries.
+
+    Decodes and prefills are padded separately, so a step that mixes a 512-token prefill
+    chunk with many decodes doesn't pad every decode to 512 queries. The gathered keys
+    and values land in two workspace tensors that every layer and group reuses, grown when
+    a step needs more: allocating tens of megabytes afresh per layer would make the CPU's
+    allocator map and fault in new memory pages every time, which costs more than the copy.
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        self.sparse_decodes = pool.kv.dtype in SPARSE_DTYPES
+        self.key_workspace = self.value_workspace = pool.kv.new_empty(0)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
@@ -141,13 +180,72 @@ class TorchBackend(AttentionBackend):
         q_lens = _lengths(qo_indptr)
         kv_lens = (_lengths(kv_indptr) - 1) * page_size + last_page_len
         is_decode = q_lens == 1
-        self.groups = [
-            self._plan_group(metadata, requests, qo_indptr[:-1], q_lens, kv_lens)
-            for requests in (is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten())
-            if requests.numel()
-        ]
+        decodes, prefills = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
+        self.groups: list[PaddedGroup | SparseDecodeGroup] = []
+        if decodes.numel() and self.sparse_decodes:
+            self.groups.append(self._plan_sparse(metadata, decodes, qo_indptr[:-1], kv_lens))
+        elif decodes.numel():
+            self.groups.append(self._plan_padded(metadata, decodes, qo_indptr[:-1], q_lens, kv_lens))
+        if prefills.numel():
+            self.groups.append(self._plan_padded(metadata, prefills, qo_indptr[:-1], q_lens, kv_lens))
+        padded_pages = [g.kv_pages.numel() for g in self.groups if isinstance(g, PaddedGroup)]
+        self._reserve_workspace(max(padded_pages, default=0))
 
-    def _plan_group(
+    def _reserve_workspace(self, num_pages: int) -> None:
+        page_shape = self.pool.layer_cache(0)[0].shape[1:]
+        if self.key_workspace.shape[0] < num_pages:
+            self.key_workspace = self.pool.kv.new_empty(num_pages, *page_shape)
+            self.value_workspace = self.pool.kv.new_empty(num_pages, *page_shape)
+
+    def _page_table(
+        self, metadata: AttentionMetadata, requests: torch.Tensor, max_kv: int
+    ) -> torch.Tensor:
+        """The pages of `requests` (device indices) as a `[B, max_pages]` table, each row
+        padded with its request's last page."""
+        device = metadata.kv_indices.device
+        max_pages = -(-max_kv // self.pool.page_size)
+        page_index = metadata.kv_indptr[requests, None] + torch.arange(max_pages, device=device)
+        last_page = (metadata.kv_indptr[requests + 1] - 1)[:, None]
+        return metadata.kv_indices[torch.minimum(page_index, last_page)].long()
+
+    def _plan_sparse(
+        self,
+        metadata: AttentionMetadata,
+        requests: torch.Tensor,
+        q_starts: torch.Tensor,
+        kv_lens: torch.Tensor,
+    ) -> SparseDecodeGroup:
+        """The sparse pattern of decode `requests` (host indices into the batch)."""
+        page_size, device = self.pool.page_size, metadata.kv_indices.device
+        kv_lens = kv_lens[requests]
+        max_kv = int(kv_lens.max())
+        pages = self._page_table(metadata, requests.to(device, non_blocking=True), max_kv)
+
+        # Every request's slots, padded to [B, max_kv]; then one row per query head, whose
+        # columns are those slots in the rows of K that belong to the head's KV head.
+        position = torch.arange(max_kv, device=device)
+        slots = pages[:, position // page_size] * page_size + position % page_size
+        kv_head = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
+        columns = slots[:, None, :] * self.num_kv_heads + kv_head[None, :, None]
+        kv_lens_on_device = kv_lens.to(device, non_blocking=True)
+        is_real = (position[None, :] < kv_lens_on_device[:, None])[:, None, :]
+        is_real = is_real.expand(-1, self.num_heads, -1)
+
+        row_lengths = kv_lens.repeat_interleave(self.num_heads)
+        crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
+        col = columns[is_real]
+        num_keys = self.pool.layer_cache(0)[0].numel() // self.head_dim
+        pattern = _csr_matrix(
+            crow, col, self.pool.kv.new_zeros(col.numel()), (crow.numel() - 1, num_keys)
+        )
+        return SparseDecodeGroup(
+            query_rows=q_starts[requests].long().to(device, non_blocking=True),
+            pattern=pattern,
+            dense_index=is_real.flatten().nonzero().flatten(),
+            max_kv_len=max_kv,
+        )
+
+    def _plan_padded(
         self,
         metadata: AttentionMetadata,
         requests: torch.Tensor,
@@ -161,15 +259,10 @@ class TorchBackend(AttentionBackend):
         q_start, q_lens, kv_lens = q_starts[requests], q_lens[requests], kv_lens[requests]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
-        # Every request's pages, as a padded [B, max_pages] table. Keys are gathered a page
-        # at a time (one contiguous block each), so a request's keys span whole pages and
-        # the mask hides the slots past its length.
-        on_device = requests.to(device, non_blocking=True)
-        max_pages = -(-max_kv // page_size)
-        page_index = metadata.kv_indptr[on_device, None] + torch.arange(max_pages, device=device)
-        last_page = (metadata.kv_indptr[on_device + 1] - 1)[:, None]
-        kv_pages = metadata.kv_indices[torch.minimum(page_index, last_page)].long()
-        kv_pos = torch.arange(max_pages * page_size, device=device)
+        # Keys are gathered a page at a time (one contiguous block each), so a request's
+        # keys span whole pages and the mask hides the slots past its length.
+        kv_pages = self._page_table(metadata, requests.to(device, non_blocking=True), max_kv)
+        kv_pos = torch.arange(kv_pages.shape[1] * page_size, device=device)
 
         # Query j of request b is row qo_start + j of q, at position kv_len - q_len + j; it
         # sees the keys at or before its position. Padding queries reuse the first row.
@@ -195,26 +288,73 @@ class TorchBackend(AttentionBackend):
         k_cache, v_cache = self.pool.layer_cache(layer)
         out = torch.empty_like(q)
         for group in self.groups:
-            keys = _gather_pages(k_cache, group.kv_pages)  # [B, kv_heads, L, D]
-            values = _gather_pages(v_cache, group.kv_pages)
-            queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=group.mask, enable_gqa=True
-            )
-            attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-            out.index_copy_(0, group.output_rows, attended[group.real_queries])
+            if isinstance(group, SparseDecodeGroup):
+                self._attend_sparse(group, q, k_cache, v_cache, out)
+            else:
+                self._attend_padded(group, q, k_cache, v_cache, out)
         return out
 
+    def _attend_sparse(
+        self,
+        group: SparseDecodeGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        queries = q.index_select(0, group.query_rows).view(-1, self.head_dim)  # [B*heads, D]
+        keys, values = k_cache.view(-1, self.head_dim), v_cache.view(-1, self.head_dim)
+        scores = torch.sparse.sampled_addmm(
+            group.pattern, queries, keys.t(), beta=0.0, alpha=self.head_dim**-0.5
+        ).values()
+        # Softmax along each row: scatter the scores into a dense matrix padded with -inf,
+        # where a row-wise softmax is one call, and read the weights back.
+        dense = scores.new_full((queries.shape[0], group.max_kv_len), float("-inf"))
+        dense.view(-1).index_copy_(0, group.dense_index, scores)
+        weights = dense.softmax(dim=-1).view(-1).index_select(0, group.dense_index)
+        pattern = group.pattern
+        weight_matrix = _csr_matrix(
+            pattern.crow_indices(), pattern.col_indices(), weights, pattern.shape
+        )
+        attended = weight_matrix @ values  # [B*heads, D]
+        out.index_copy_(0, group.query_rows, attended.view(-1, self.num_heads, self.head_dim))
 
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Pages `[B, P]` of a `[num_pages, page_size, kv_heads, D]` cache, as
-    `[B, kv_heads, P * page_size, D]`.
+    def _attend_padded(
+        self,
+        group: PaddedGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        keys = _gather_pages(k_cache, group.kv_pages, self.key_workspace)
+        values = _gather_pages(v_cache, group.kv_pages, self.value_workspace)
+        queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=group.mask, enable_gqa=True
+        )
+        attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        out.index_copy_(0, group.output_rows, attended[group.real_queries])
 
-    Each page is one contiguous block, so this is one block copy per page. On a CPU this
-    copy, bound by memory bandwidth, is the largest cost of a decode step.
+
+def _csr_matrix(
+    crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A sparse CSR matrix from indices the backend built itself (so unchecked)."""
+    with warnings.catch_warnings():
+        # torch warns, once per process, that its sparse CSR support is in beta.
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """Pages `[B, P]` of a `[num_pages, page_size, kv_heads, D]` cache, copied into the
+    front of `workspace` and viewed as `[B, kv_heads, P * page_size, D]`.
+
+    Each page is one contiguous block, so this is one block copy per page.
     """
     batch, num_pages = pages.shape
-    gathered = cache.index_select(0, pages.flatten())
+    gathered = torch.index_select(cache, 0, pages.flatten(), out=workspace[: batch * num_pages])
     return gathered.view(batch, num_pages * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
