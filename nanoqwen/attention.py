@@ -181,13 +181,16 @@ class TorchBackend(AttentionBackend):
         kv_lens = (_lengths(kv_indptr) - 1) * page_size + last_page_len
         is_decode = q_lens == 1
         decodes, prefills = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
+        q_starts = qo_indptr[:-1]
         self.groups: list[PaddedGroup | SparseDecodeGroup] = []
-        if decodes.numel() and self.sparse_decodes:
-            self.groups.append(self._plan_sparse(metadata, decodes, qo_indptr[:-1], kv_lens))
-        elif decodes.numel():
-            self.groups.append(self._plan_padded(metadata, decodes, qo_indptr[:-1], q_lens, kv_lens))
-        if prefills.numel():
-            self.groups.append(self._plan_padded(metadata, prefills, qo_indptr[:-1], q_lens, kv_lens))
+        for requests, sparse in ((decodes, self.sparse_decodes), (prefills, False)):
+            if not requests.numel():
+                continue
+            if sparse:
+                self.groups.append(self._plan_sparse(metadata, requests, q_starts, kv_lens))
+            else:
+                group = self._plan_padded(metadata, requests, q_starts, q_lens, kv_lens)
+                self.groups.append(group)
         padded_pages = [g.kv_pages.numel() for g in self.groups if isinstance(g, PaddedGroup)]
         self._reserve_workspace(max(padded_pages, default=0))
 
@@ -221,19 +224,19 @@ class TorchBackend(AttentionBackend):
         max_kv = int(kv_lens.max())
         pages = self._page_table(metadata, requests.to(device, non_blocking=True), max_kv)
 
-        # Every request's slots, padded to [B, max_kv]; then one row per query head, whose
-        # columns are those slots in the rows of K that belong to the head's KV head.
+        # One row per (request, query head), padded to max_kv columns: the slot holding
+        # each of the request's positions, as a row of K in the head's KV head.
         position = torch.arange(max_kv, device=device)
         slots = pages[:, position // page_size] * page_size + position % page_size
-        kv_head = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
-        columns = slots[:, None, :] * self.num_kv_heads + kv_head[None, :, None]
-        kv_lens_on_device = kv_lens.to(device, non_blocking=True)
-        is_real = (position[None, :] < kv_lens_on_device[:, None])[:, None, :]
-        is_real = is_real.expand(-1, self.num_heads, -1)
+        group_size = self.num_heads // self.num_kv_heads
+        kv_head = torch.arange(self.num_heads, device=device) // group_size
+        columns = slots[:, None, :] * self.num_kv_heads + kv_head[:, None]  # [B, heads, max_kv]
+        in_bounds = position < kv_lens.to(device, non_blocking=True)[:, None]
+        dense_index = in_bounds[:, None, :].expand_as(columns).flatten().nonzero().flatten()
 
         row_lengths = kv_lens.repeat_interleave(self.num_heads)
         crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
-        col = columns[is_real]
+        col = columns.flatten()[dense_index]
         num_keys = self.pool.layer_cache(0)[0].numel() // self.head_dim
         pattern = _csr_matrix(
             crow, col, self.pool.kv.new_zeros(col.numel()), (crow.numel() - 1, num_keys)
@@ -241,7 +244,7 @@ class TorchBackend(AttentionBackend):
         return SparseDecodeGroup(
             query_rows=q_starts[requests].long().to(device, non_blocking=True),
             pattern=pattern,
-            dense_index=is_real.flatten().nonzero().flatten(),
+            dense_index=dense_index,
             max_kv_len=max_kv,
         )
 
@@ -312,11 +315,11 @@ class TorchBackend(AttentionBackend):
         dense = scores.new_full((queries.shape[0], group.max_kv_len), float("-inf"))
         dense.view(-1).index_copy_(0, group.dense_index, scores)
         weights = dense.softmax(dim=-1).view(-1).index_select(0, group.dense_index)
-        pattern = group.pattern
-        weight_matrix = _csr_matrix(
-            pattern.crow_indices(), pattern.col_indices(), weights, pattern.shape
-        )
-        attended = weight_matrix @ values  # [B*heads, D]
+        # weights @ values, as a weighted sum of the selected rows of V per query row.
+        attended = F.embedding_bag(
+            group.pattern.col_indices(), values, group.pattern.crow_indices()[:-1],
+            mode="sum", per_sample_weights=weights,
+        )  # [B*heads, D]
         out.index_copy_(0, group.query_rows, attended.view(-1, self.num_heads, self.head_dim))
 
     def _attend_padded(
