@@ -125,14 +125,15 @@ class PaddedGroup:
 
 @dataclass
 class SparseDecodeGroup:
-    """Decodes attended straight from the pool, as two sparse-times-dense matrix products.
+    """Decodes attended straight from the pool, as two sparse matrix products.
 
     Flatten a layer's keys to a `[num_slots * kv_heads, D]` matrix `K`: row
     `slot * kv_heads + h` is slot `slot` of KV head `h`. Give every (request, query head)
     one row of a sparse matrix whose nonzero columns are the rows of `K` that query may
     see: its request's slots, in its head's KV head. Then the scores are `Q @ K.T` sampled
-    at those nonzeros only, and after a softmax along each row the output is
-    `weights @ V`. Both products read the pool's pages where they lie, so nothing is
+    at those nonzeros only (`torch.sparse.sampled_addmm`), and after a softmax along each
+    row the output is `weights @ V` (`embedding_bag`: per row, a weighted sum of the
+    selected rows of `V`). Both read the pool's pages where they lie, so nothing is
     copied; the CSR pattern is the page table spelled out slot by slot.
     """
 
@@ -315,7 +316,6 @@ class TorchBackend(AttentionBackend):
         dense = scores.new_full((queries.shape[0], group.max_kv_len), float("-inf"))
         dense.view(-1).index_copy_(0, group.dense_index, scores)
         weights = dense.softmax(dim=-1).view(-1).index_select(0, group.dense_index)
-        # weights @ values, as a weighted sum of the selected rows of V per query row.
         attended = F.embedding_bag(
             group.pattern.col_indices(), values, group.pattern.crow_indices()[:-1],
             mode="sum", per_sample_weights=weights,
