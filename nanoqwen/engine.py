@@ -328,6 +328,10 @@ class LLMEngine:
         self.num_finished[reason] += 1
         return self._output(tracked, delta, new_token_ids or [])
 
+    def progress(self, request_id: str) -> RequestOutput:
+        """An unfinished request's output so far, with nothing new in its deltas."""
+        return self._output(self.requests[request_id], "", [])
+
     def _output(self, tracked: _Tracked, delta: str, new_token_ids: list[int]) -> RequestOutput:
         request = tracked.request
         return RequestOutput(
@@ -415,15 +419,22 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield this request's outputs as they are produced; closing the generator aborts it."""
+        """Yield this request's output after every engine step; closing the generator
+        aborts it.
+
+        A step that gave the request no token (its prompt is still being prefilled, chunk
+        by chunk, or it is waiting for room) yields its unchanged progress, with empty
+        deltas: a long prompt then still hands control back every step, so a caller can
+        give up on it without waiting for the first token.
+        """
         request_id = self.engine.add_request(prompt, params)
         finished = False
         try:
             while not finished:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        finished = output.finished
-                        yield output
+                moved = {output.request_id: output for output in self.engine.step()}
+                output = moved.get(request_id) or self.engine.progress(request_id)
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 self.engine.abort(request_id)

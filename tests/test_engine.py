@@ -177,6 +177,25 @@ def test_closing_a_stream_aborts_and_frees_pages(llm: LLM) -> None:
     assert llm.stats()["finished"]["abort"] >= 1
 
 
+def test_a_stream_can_be_closed_while_its_prompt_is_prefilled(model_dir: str) -> None:
+    llm = LLM(model_dir, device="cpu", chunk_size=16)
+    prompt = random_prompts(vocab(llm), [100], seed=11)[0]
+    stream = llm.stream(prompt, greedy(10))
+    prefilling = [next(stream) for _ in range(3)]
+    assert all(not output.delta_token_ids and not output.finished for output in prefilling)
+    assert llm.engine.scheduler.running[0].num_computed_tokens == 48
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["pages_used"] == 0
+
+    # Left to run, the stream yields once per step: 7 chunks (the last one samples the
+    # first token), then 9 decodes.
+    llm.reset_prefix_cache()
+    outputs = list(llm.stream(prompt, greedy(10)))
+    assert [len(output.delta_token_ids) for output in outputs] == [0] * 6 + [1] * 10
+    assert outputs[-1].token_ids == llm.generate([prompt], greedy(10))[0].token_ids
+
+
 def test_max_model_len_finishes_with_length(model_dir: str) -> None:
     llm = LLM(model_dir, device="cpu", max_model_len=24)
     out = llm.generate([list(range(3, 23))], greedy(100))[0]
