@@ -45,7 +45,7 @@ def random_step(pool: KVPool, rows: list[tuple[int, int]], seed: int) -> StepInp
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
         layout.add_row([0] * new, cached, pages, sample=True)
-    return layout.to_inputs(CUDA, [])
+    return layout.to_inputs(pool.kv.device, [])
 
 
 @pytest.mark.parametrize(
@@ -71,6 +71,23 @@ def test_flashinfer_matches_torch(rows, num_heads: int, num_kv_heads: int, head_
         caches.append(pool.kv.clone())
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
     assert torch.equal(caches[1], caches[0]), "the backends wrote different slots"
+
+
+@pytest.mark.parametrize("rows", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_torch_backend_in_float32_on_cuda_matches_cpu(rows) -> None:
+    """float32 on CUDA is served by the torch backend, decodes by its sparse path."""
+    torch.manual_seed(0)
+    kv = torch.randn(1, 2, 64, 16, 2, 64)
+    num_tokens = sum(new for _, new in rows)
+    q, k, v = torch.randn(num_tokens, 8, 64), *torch.randn(2, num_tokens, 2, 64)
+    outputs = []
+    for device in (torch.device("cpu"), CUDA):
+        pool = KVPool(1, 2, 64, 16, 64, torch.float32, device)
+        pool.kv.copy_(kv)
+        backend = TorchBackend(pool, 8, 2, 64)
+        backend.plan(random_step(pool, rows, seed=0).metadata)
+        outputs.append(backend.forward(0, q.to(device), k.to(device), v.to(device)).cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
 
 
 def test_flashinfer_refuses_float32() -> None:
