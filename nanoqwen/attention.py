@@ -140,7 +140,9 @@ class SparseDecodeGroup:
     query_rows: torch.Tensor  # [B] the row of q (and of the output) of each request
     pattern: torch.Tensor  # sparse CSR [B * heads, num_slots * kv_heads]; its values unused
     dense_index: torch.Tensor  # [nnz] each nonzero's place in a flat [B * heads, max_kv]
-    max_kv_len: int
+    # Each layer's scores, scattered to [B * heads, max_kv] for the softmax. Only real
+    # entries are overwritten per layer, so the padding stays -inf for the whole step.
+    dense_scores: torch.Tensor
 
 
 # torch multiplies sparse CSR matrices with a sampled dense product in these dtypes only.
@@ -246,7 +248,7 @@ class TorchBackend(AttentionBackend):
             query_rows=q_starts[requests].long().to(device, non_blocking=True),
             pattern=pattern,
             dense_index=dense_index,
-            max_kv_len=max_kv,
+            dense_scores=self.pool.kv.new_full((crow.numel() - 1, max_kv), float("-inf")),
         )
 
     def _plan_padded(
@@ -313,7 +315,7 @@ class TorchBackend(AttentionBackend):
         ).values()
         # Softmax along each row: scatter the scores into a dense matrix padded with -inf,
         # where a row-wise softmax is one call, and read the weights back.
-        dense = scores.new_full((queries.shape[0], group.max_kv_len), float("-inf"))
+        dense = group.dense_scores
         dense.view(-1).index_copy_(0, group.dense_index, scores)
         weights = dense.softmax(dim=-1).view(-1).index_select(0, group.dense_index)
         attended = F.embedding_bag(
