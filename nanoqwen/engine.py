@@ -74,6 +74,19 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
 
 
+class StepError(RuntimeError):
+    """A step failed after its batch was scheduled (a bug, or a failing device).
+
+    The batch's requests are still in the engine, untouched by the failed step: the caller
+    decides their fate (a server aborts them and answers 500, then keeps serving). The
+    original exception is the `__cause__`.
+    """
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"the engine step failed for requests {', '.join(request_ids)}")
+        self.request_ids = request_ids
+
+
 class PhaseTimer:
     """Wall time spent in each phase of `step()`, summed over steps (for the benchmark).
 
@@ -278,12 +291,15 @@ class LLMEngine:
             ]
         if batch is None:
             return outputs
-        with self.timer.phase("prepare"):
-            inputs = self.runner.prepare(batch)
-        with self.timer.phase("forward"):
-            logits = self.runner.forward(inputs)
-        with self.timer.phase("sample"):
-            token_ids = self.runner.sample(logits, inputs)
+        try:
+            with self.timer.phase("prepare"):
+                inputs = self.runner.prepare(batch)
+            with self.timer.phase("forward"):
+                logits = self.runner.forward(inputs)
+            with self.timer.phase("sample"):
+                token_ids = self.runner.sample(logits, inputs)
+        except Exception as error:
+            raise StepError([r.request_id for r in batch.requests]) from error
         with self.timer.phase("postprocess"):
             self.scheduler.advance(batch)
             for request, token_id in zip(inputs.sampled_requests, token_ids):
