@@ -29,10 +29,16 @@ that is complete earliest in the text: generation stops as soon as a stop string
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
+
+# The generation_config.json fields that are sampling settings, named as in SamplingParams.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# For checkpoints that publish no sampling settings: Qwen3's published chat settings.
+FALLBACK_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 # Prompt tokens decoded as left context for the first generated tokens. Byte-level BPE does
 # not need it, but tokenizers that render a word-initial space differently at the very start
@@ -45,7 +51,12 @@ class Tokenizer:
 
     def __init__(self, path: str | Path) -> None:
         self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
-        self.eos_token_ids: frozenset[int] = _read_eos_token_ids(path, self._hf.eos_token_id)
+        generation_config = _read_generation_config(path)
+        self.eos_token_ids: frozenset[int] = _read_eos_token_ids(
+            generation_config, self._hf.eos_token_id
+        )
+        # Sampling settings a request doesn't give itself (`SamplingParams` keywords).
+        self.sampling_defaults: dict[str, Any] = _sampling_defaults(generation_config)
         # Streaming decodes a few tokens per request per step. The Rust tokenizer does that
         # in a third of the time transformers' wrapper takes, which adds only an optional
         # clean-up pass (off for Qwen's byte-level BPE).
@@ -91,14 +102,37 @@ class Tokenizer:
         return self.vocab_size
 
 
-def _read_eos_token_ids(path: str | Path, tokenizer_eos_id: int | None) -> frozenset[int]:
+def _read_generation_config(path: str | Path) -> dict[str, Any]:
+    """The settings `generation_config.json` spells out (none of transformers' defaults)."""
+    try:
+        return GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError:  # the checkpoint has no generation_config.json
+        return {}
+
+
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The model's recommended sampling settings, as `SamplingParams` keywords.
+
+    Chat checkpoints publish them (Qwen3: temperature 0.6, top_p 0.95, top_k 20); a request
+    that leaves a setting out gets the model's value, as vLLM does. A checkpoint that
+    publishes none gets `FALLBACK_SAMPLING`; one that asks for greedy decoding
+    (`do_sample: false`) gets temperature 0.
+    """
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    published = {
+        name: generation_config[name] for name in SAMPLING_DEFAULT_FIELDS if name in generation_config
+    }
+    return published or dict(FALLBACK_SAMPLING)
+
+
+def _read_eos_token_ids(
+    generation_config: dict[str, Any], tokenizer_eos_id: int | None
+) -> frozenset[int]:
     """Chat checkpoints end a turn with one token and a document with another, and list both
     in `generation_config.json`; the tokenizer knows only one. Use all of them."""
     eos_ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
-    try:
-        configured = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # the checkpoint has no generation_config.json
-        configured = None
+    configured = generation_config.get("eos_token_id")
     if isinstance(configured, int):
         eos_ids.add(configured)
     elif configured is not None:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoqwen import SamplingParams
+from nanoqwen.tokenizer import FALLBACK_SAMPLING, IncrementalDetokenizer, Tokenizer
 from tiny_models import END_OF_TEXT, IM_END, IM_START, build_qwen3, build_tokenizer
 
 MULTILINGUAL_TEXT = "你好世界，今天天气很好 😀🎉 café naïve Łódź 丐丑 done"
@@ -151,6 +152,31 @@ def test_eos_token_ids_fall_back_to_the_tokenizer(tmp_path: Path) -> None:
     build_tokenizer(tmp_path)  # a directory without generation_config.json
     tokenizer = Tokenizer(tmp_path)
     assert tokenizer.eos_token_ids == frozenset({token_ids_of(tokenizer, IM_END)})
+
+
+@pytest.mark.parametrize(
+    ("published", "expected"),
+    [
+        ({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+         {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}),
+        ({"do_sample": True, "top_p": 0.9}, {"top_p": 0.9}),
+        ({"do_sample": False, "temperature": 0.7}, {"temperature": 0.0}),
+        ({}, FALLBACK_SAMPLING),
+    ],
+)
+def test_sampling_defaults_are_what_generation_config_publishes(
+    tmp_path: Path, published: dict, expected: dict
+) -> None:
+    build_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5, **published}))
+    defaults = Tokenizer(tmp_path).sampling_defaults
+    assert defaults == expected
+    SamplingParams(**defaults)  # every default is a valid setting
+
+
+def test_sampling_defaults_without_generation_config(tmp_path: Path) -> None:
+    build_tokenizer(tmp_path)
+    assert Tokenizer(tmp_path).sampling_defaults == FALLBACK_SAMPLING
 
 
 # --- IncrementalDetokenizer ------------------------------------------------------------------
