@@ -16,56 +16,49 @@ every run does exactly the same work. Three scenarios:
 
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
-per output token (TPOT) is the rest of its life divided by its remaining tokens. The engine's
-`PhaseTimer` splits every step into schedule, prepare inputs, forward, sample and
-detokenize/bookkeeping, which says where the time goes.
+per output token (TPOT) is the rest of its life divided by its remaining tokens. A
+`PhaseTimer` installed with `engine.instrument` splits every step into schedule, prepare
+inputs, forward, sample and detokenize/bookkeeping, which says where the time goes.
 
-`--compare hf` runs the same prompts through transformers' `generate` on the same weights:
-static batches of `--max-num-seqs` prompts, left-padded, greedy, each batch generating its
-longest output length (multi-turn prompts are the ones nanoqwen served, answers included,
-batched without waiting for one another). It runs in a separate process, after the engine
-has been freed, so the two never share memory. `--rounds N` repeats both, alternating:
-every round builds a fresh engine, runs the workload, frees it, then runs transformers. A
-machine that gets busier or quieter over the minutes then disturbs both alike; the report
-shows the median round of each, and the speedup is the median of the rounds' ratios.
-
-`--decode-batch B` adds a micro-benchmark of steady-state decoding: `B` running requests with
-`--min-input`-token prompts, timing whole engine steps against the runner's forward pass
-alone on one prepared batch. Their ratio is the engine's overhead over the model; the
-scheduler and input-preparation time per step is the host work that, on a GPU, decides
-whether the device waits.
+`--compare hf` runs the same prompts through transformers' `generate` on the same weights
+(`bench_baseline.py`; multi-turn prompts are the ones nanoqwen served, answers included).
+`--rounds N` repeats both, alternating: every round builds a fresh engine, runs the
+workload, frees it, then runs transformers. A machine that gets busier or quieter over the
+minutes then disturbs both alike; the report shows the median round of each, and the
+speedup is the median of the rounds' ratios. `--decode-batch B` adds the steady-state
+decode micro-benchmark of `bench_decode.py`.
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
-(see `nanoqwen/presets.py`), for machines that cannot download a checkpoint.
+(see `checkpoints.py`), for machines that cannot download a checkpoint.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
-import math
-import multiprocessing
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 import torch
+from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
+from bench_baseline import run_transformers
+from bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
+from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.loader import resolve_model_path
-from nanoqwen.presets import PRESETS, random_checkpoint
 
 SCENARIOS = ("random", "shared-prefix", "multi-turn")
 # Figures both engines report: (label, key, format).
@@ -84,9 +77,7 @@ PHASE_LABELS = {
     "sample": "sample",
     "postprocess": "detokenize + bookkeeping",
 }
-DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward passes
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 32, 4
-PAD_TOKEN_ID = 0  # any id will do: padded positions are masked out
 
 Metrics = dict[str, Any]
 
@@ -160,7 +151,9 @@ def prompt_token_ids(model_dir: str, model_vocab_size: int) -> list[int]:
 
 # --------------------------------------------------------------------------- running the engine
 @dataclass
-class RequestRecord:
+class RequestTiming:
+    """When one request was submitted, got its first token and finished."""
+
     prompt_token_ids: list[int]
     output_len: int  # requested
     submitted: float
@@ -171,7 +164,7 @@ class RequestRecord:
 
 @dataclass
 class EngineRun:
-    records: list[RequestRecord]
+    records: list[RequestTiming]
     wall_s: float
     steps: int
     phase_seconds: dict[str, float]
@@ -188,7 +181,7 @@ class SessionDriver:
     def __init__(self, engine: LLMEngine, sessions: Sequence[Session]) -> None:
         self.engine = engine
         self.sessions = sessions
-        self.records: dict[str, RequestRecord] = {}
+        self.records: dict[str, RequestTiming] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
 
     def start(self) -> None:
@@ -212,37 +205,44 @@ class SessionDriver:
         prompt = history + spec.new_token_ids
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         request_id = self.engine.add_request(prompt, params)
-        self.records[request_id] = RequestRecord(prompt, spec.output_len, time.perf_counter())
+        self.records[request_id] = RequestTiming(prompt, spec.output_len, time.perf_counter())
         self._position[request_id] = (session, turn)
 
 
 def run_engine(
-    engine: LLMEngine, sessions: Sequence[Session], progress: Progress, description: str
+    engine: LLMEngine,
+    timer: PhaseTimer,
+    sessions: Sequence[Session],
+    progress: Progress,
+    description: str,
 ) -> EngineRun:
-    """Serve every session to completion, timing each request and each step's phases."""
+    """Serve every session to completion, timing each request and (with `timer`, installed
+    on `engine`) each step's phases."""
     engine.reset_prefix_cache()  # a previous round's prompts must not be cache hits
-    engine.timer.reset()
+    timer.reset()
     before = engine.stats()
-    task = progress.add_task(description, total=sum(len(s) for s in sessions))
+    task = progress.add_task(description, total=sum(len(s) for s in sessions), tok_s="")
     driver = SessionDriver(engine, sessions)
-    peak_pages = 0
+    peak_pages = steps = generated = 0
     start = time.perf_counter()
     driver.start()
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        steps += 1
         now = time.perf_counter()
         for output in outputs:
             driver.record(output, now)
-            if output.finished:
-                progress.advance(task)
+            generated += len(output.delta_token_ids)
+        finished = sum(output.finished for output in outputs)
+        progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
         peak_pages = max(peak_pages, engine.stats()["pages_used"])
     wall = time.perf_counter() - start
     after = engine.stats()
     return EngineRun(
         records=list(driver.records.values()),
         wall_s=wall,
-        steps=engine.timer.steps,
-        phase_seconds=dict(engine.timer.seconds),
+        steps=steps,
+        phase_seconds=dict(timer.seconds),
         peak_kv_pages=peak_pages,
         kv_pages_total=after["pages_total"],
         prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
@@ -259,6 +259,10 @@ def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
         engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def tok_s_so_far(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:.0f} output tok/s" if seconds > 0 else ""
 
 
 # --------------------------------------------------------------------------- summaries
@@ -328,95 +332,6 @@ def median_round(rounds: Sequence[Metrics]) -> Metrics:
     return sorted(rounds, key=lambda figures: figures["wall_s"])[(len(rounds) - 1) // 2]
 
 
-# --------------------------------------------------------------------------- transformers baseline
-@functools.cache
-def _transformers_model(model_dir: str, dtype: str, device: str) -> torch.nn.Module:
-    """Loaded once per worker process, then reused by every batch."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model = model.to(device).eval()
-    _transformers_generate(model, [list(range(1, 9))], 2)  # warm-up
-    return model
-
-
-def _transformers_generate(
-    model: torch.nn.Module, prompts: list[list[int]], num_tokens: int
-) -> float:
-    """Seconds for one left-padded greedy batch generating exactly `num_tokens` tokens."""
-    width = max(len(p) for p in prompts)
-    device = model.device
-    input_ids = torch.tensor(
-        [[PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts], device=device
-    )
-    attention_mask = torch.tensor(
-        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
-    )
-    # min = max new tokens: EOS cannot end a row early, as with ignore_eos in the engine.
-    config = GenerationConfig(
-        max_new_tokens=num_tokens,
-        min_new_tokens=num_tokens,
-        do_sample=False,
-        pad_token_id=PAD_TOKEN_ID,
-    )
-    _synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
-        )
-    _synchronize(device)
-    elapsed = time.perf_counter() - start
-    if output.shape[1] != width + num_tokens:
-        raise RuntimeError(
-            f"transformers generated {output.shape[1] - width} tokens, not {num_tokens}"
-        )
-    return elapsed
-
-
-def transformers_batch_seconds(
-    model_dir: str, dtype: str, device: str, prompts: list[list[int]], num_tokens: int
-) -> float:
-    """Runs in the worker process: load (first call only), then time one batch."""
-    return _transformers_generate(
-        _transformers_model(model_dir, dtype, device), prompts, num_tokens
-    )
-
-
-def run_transformers(
-    settings: Metrics,
-    requests: Sequence[tuple[list[int], int]],
-    progress: Progress,
-    description: str,
-) -> Metrics:
-    """`requests` (prompt, output length) through transformers in a fresh worker process,
-    in static batches of `max_num_seqs`. Each batch runs to its longest output, which is the
-    cost of static batching, but only the requested tokens are counted."""
-    batch_size = settings["max_num_seqs"]
-    batch_seconds = functools.partial(
-        transformers_batch_seconds, settings["model_dir"], settings["dtype"], settings["device"]
-    )
-    task = progress.add_task(description, total=len(requests))
-    wall = 0.0
-    # "spawn": a fresh interpreter, not a fork of this one with the engine's memory mapped.
-    with ProcessPoolExecutor(
-        max_workers=1,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=torch.set_num_threads,
-        initargs=(settings["threads"],),
-    ) as worker:
-        for first in range(0, len(requests), batch_size):
-            batch = requests[first : first + batch_size]
-            prompts = [prompt for prompt, _ in batch]
-            num_tokens = max(output_len for _, output_len in batch)
-            wall += worker.submit(batch_seconds, prompts, num_tokens).result()
-            progress.advance(task, len(batch))
-    input_tokens = sum(len(prompt) for prompt, _ in requests)
-    output_tokens = sum(output_len for _, output_len in requests)
-    return {
-        **throughput(len(requests), input_tokens, output_tokens, wall),
-        "batches": math.ceil(len(requests) / batch_size),
-    }
-
-
 def free_memory() -> None:
     """Return what dropped objects held, on a GPU too, before another model needs it."""
     gc.collect()
@@ -424,79 +339,29 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# --------------------------------------------------------------------------- decode overhead
-def measure_decode_overhead(
-    engine: LLMEngine, batch_size: int, context_len: int, token_ids: Sequence[int]
+def run_baseline(
+    settings: Metrics,
+    requests: Sequence[tuple[list[int], int]],
+    progress: Progress,
+    description: str,
 ) -> Metrics:
-    """Steady-state decode of `batch_size` requests: engine step vs. the forward pass alone.
+    """The same requests through transformers (`bench_baseline.py`), with progress."""
+    task = progress.add_task(description, total=len(requests), tok_s="")
+    output_tokens_by_request = [output_len for _, output_len in requests]
 
-    The forward pass alone is the runner's forward on one decode batch laid out once and run
-    again and again (rewriting the same K/V into the same slots). Engine steps and bare
-    forwards alternate, so both see the same machine, and medians drop the odd stall.
-    """
-    engine.reset_prefix_cache()
-    preemptions_before = engine.stats()["preemptions"]
-    rng = random.Random(0)
-    # Requests that finish prefill early decode while the rest prefill: leave them room.
-    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)
-    request_ids = [
-        engine.add_request(rng.choices(token_ids, k=context_len), params) for _ in range(batch_size)
-    ]
-    try:
-        _step_until_all_decode(engine, set(request_ids))
-        bare_inputs = engine.runner.prepare(engine.scheduler.schedule())
-        bare_forward = functools.partial(engine.runner.forward, bare_inputs)
-        bare_forward()  # warm-up
-        step_s, forward_s, phases_s = [], [], []
-        for _ in range(DECODE_STEPS):
-            engine.timer.reset()
-            step_s.append(_seconds(engine.step, engine.device))
-            phases_s.append(dict(engine.timer.seconds))
-            forward_s.append(_seconds(bare_forward, engine.device))
-        if engine.stats()["preemptions"] != preemptions_before:
-            raise click.ClickException(
-                f"the KV pool cannot hold {batch_size} requests of {context_len} tokens; "
-                "lower --decode-batch or give the pool more memory"
-            )
-    finally:
-        for request_id in request_ids:
-            engine.abort(request_id)
-    phases_ms = {
-        name: statistics.median(step[name] for step in phases_s) * 1000 for name in phases_s[0]
-    }
+    def on_batch(done: int, seconds: float) -> None:
+        tokens = sum(output_tokens_by_request[:done])
+        progress.update(task, completed=done, tok_s=tok_s_so_far(tokens, seconds))
+
+    run = run_transformers(
+        settings["model_dir"], settings["dtype"], settings["device"], settings["threads"],
+        settings["max_num_seqs"], requests, on_batch,
+    )
+    input_tokens = sum(len(prompt) for prompt, _ in requests)
     return {
-        "batch_size": batch_size,
-        "context_tokens": context_len,
-        "steps": DECODE_STEPS,
-        "engine_step_ms": statistics.median(step_s) * 1000,
-        "forward_ms": statistics.median(forward_s) * 1000,
-        "overhead_ratio": statistics.median(step_s) / statistics.median(forward_s),
-        "schedule_prepare_ms": phases_ms.get("schedule", 0.0) + phases_ms.get("prepare", 0.0),
-        "phases_ms_per_step": phases_ms,
+        **throughput(len(requests), input_tokens, sum(output_tokens_by_request), run.wall_s),
+        "batches": run.batches,
     }
-
-
-def _step_until_all_decode(engine: LLMEngine, request_ids: set[str]) -> None:
-    """Step until every request has its first token: from then on, steps are pure decode."""
-    waiting_for_first_token = set(request_ids)
-    while waiting_for_first_token:
-        for output in engine.step():
-            if output.delta_token_ids:
-                waiting_for_first_token.discard(output.request_id)
-    engine.step()  # one pure decode step untimed, as warm-up
-
-
-def _seconds(run_once: Callable[[], object], device: torch.device) -> float:
-    _synchronize(device)
-    start = time.perf_counter()
-    run_once()
-    _synchronize(device)
-    return time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------- report
@@ -574,11 +439,15 @@ def resolve_model(model: str | None, random_weights: str | None) -> str:
         raise click.UsageError(str(error)) from None
 
 
-def load_engine(model_dir: str, options: dict[str, Any]) -> LLMEngine:
+def load_engine(model_dir: str, options: dict[str, Any]) -> tuple[LLMEngine, PhaseTimer]:
+    """A fresh engine, with a phase timer installed."""
     try:
-        return LLMEngine(model_dir, **options)
+        engine = LLMEngine(model_dir, **options)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    timer = PhaseTimer()
+    engine.instrument(timer.wrap)
+    return engine, timer
 
 
 def check_workload(workload: Workload) -> None:
@@ -603,6 +472,15 @@ def check_fits(engine: LLMEngine, sessions: Sequence[Session], decode_batch: int
         )
 
 
+def measure_decode(
+    engine: LLMEngine, timer: PhaseTimer, batch_size: int, context_len: int, token_ids: list[int]
+) -> Metrics:
+    try:
+        return measure_decode_overhead(engine, timer, batch_size, context_len, token_ids)
+    except PoolTooSmall as error:
+        raise click.ClickException(str(error)) from None
+
+
 def engine_settings(engine: LLMEngine) -> Metrics:
     config = engine.config
     return {
@@ -612,18 +490,20 @@ def engine_settings(engine: LLMEngine) -> Metrics:
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
-        "prefix_cache": engine.cache is not None,
+        "prefix_cache": config.enable_prefix_cache,
     }
 
 
 def make_progress(console: Console) -> Progress:
+    """Per round and engine: requests done of all, and output tokens per second so far."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("requests"),
+        TextColumn("{task.fields[tok_s]}"),
         TimeElapsedColumn(),
         console=console,
-        transient=True,
     )
 
 
@@ -650,7 +530,7 @@ def assemble_result(
     return result
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default=None, help="Hub id or checkpoint directory.")
 @click.option(
     "--random-weights",
@@ -725,11 +605,15 @@ def main(
     check_workload(workload)
     if threads is not None:
         torch.set_num_threads(threads)
-    model_dir = resolve_model(model, random_weights)
+    # Weight-loading and shard-writing bars of transformers and the hub would cut into ours.
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
     console, status_console = Console(), Console(stderr=True)
+    with status_console.status("preparing the model"):
+        model_dir = resolve_model(model, random_weights)
     options = pop_engine_options(engine_option_values)
     with status_console.status("loading the model"):
-        engine: LLMEngine | None = load_engine(model_dir, options)
+        engine, timer = load_engine(model_dir, options)
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
     check_fits(engine, sessions, decode_batch)
@@ -749,11 +633,12 @@ def main(
             # Each round has a fresh engine and a fresh transformers process, one after the
             # other, so a machine that gets busier or quieter affects both alike.
             if engine is None:
-                engine = load_engine(model_dir, options)
+                engine, timer = load_engine(model_dir, options)
             warm_up(engine, token_ids)
-            runs.append(run_engine(engine, sessions, progress, f"nanoqwen, round {index + 1}"))
+            description = f"nanoqwen, round {index + 1}"
+            runs.append(run_engine(engine, timer, sessions, progress, description))
             if decode_batch is not None and index == rounds - 1:
-                decode = measure_decode_overhead(engine, decode_batch, min_input, token_ids)
+                decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
             engine = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if compare == "hf":
@@ -761,7 +646,7 @@ def main(
                     (record.prompt_token_ids, record.output_len) for record in runs[0].records
                 ]
                 description = f"transformers, round {index + 1}"
-                baseline_rounds.append(run_transformers(settings, requests, progress, description))
+                baseline_rounds.append(run_baseline(settings, requests, progress, description))
     engine_rounds = [summarize_engine_run(run) for run in runs]
     result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode)
     print_report(console, result)

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 import click
 
-from nanoqwen.config import DTYPES, EngineConfig
+from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, EngineConfig
+from nanoqwen.runner import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
@@ -32,7 +33,9 @@ ENGINE_OPTIONS = [
     click.option("--page-size", default=engine_default("page_size"), type=click.IntRange(min=1),
                  help="Tokens per KV-cache page."),
     click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
-                 help="KV-cache size: bytes, or a fraction (<= 1) of free GPU memory."),
+                 help="KV-cache size: bytes, or a fraction (<= 1) of free memory (GPU or RAM). "
+                      f"Default: what is left on a GPU, {CPU_KV_CACHE_FRACTION:.0%} of "
+                      "available RAM on a CPU."),
     click.option("--num-pages", default=None, type=click.IntRange(min=1),
                  help="KV-cache size in pages (overrides --kv-cache-memory)."),
     click.option("--chunk-size", default=None, type=click.IntRange(min=1),
@@ -42,10 +45,14 @@ ENGINE_OPTIONS = [
                  help="Reuse the KV pages of prompt prefixes seen before."),
     click.option("--enforce-eager", is_flag=True, default=engine_default("enforce_eager"),
                  help="Run every step eagerly (no CUDA graphs)."),
+    click.option("--attention-backend", default=None,
+                 type=click.Choice([name for name in ATTENTION_BACKEND_NAMES if name]),
+                 help="Attention implementation. Default: flashinfer on CUDA when it can run "
+                      "the model, else torch; reference is the textbook one, for comparison."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
-    "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager",
+    "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
 )
 
 

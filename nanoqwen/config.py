@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -79,7 +80,8 @@ class EngineConfig:
     # none on the CPU, which has no graphs; given explicitly, the CPU pads to them too.
     decode_buckets: list[int] | None = None
     gpu_memory_utilization: float = 0.9
-    seed: int = 0
+    # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -95,6 +97,9 @@ class EngineConfig:
             self.decode_buckets = sorted(set(self.decode_buckets))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            names = ", ".join(str(name) for name in ATTENTION_BACKEND_NAMES)
+            raise ValueError(f"attention_backend must be one of {names}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -102,6 +107,22 @@ class EngineConfig:
         if self.chunk_size is None:
             # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
             self.chunk_size = 8192 if self.device.type == "cuda" else 512
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence served: the model's trained context unless told otherwise.
+
+    Only a model with RoPE scaling may be asked to go past what it was trained on.
+    """
+    trained = model_config.max_position_embeddings
+    wanted = config.max_model_len
+    if wanted is None:
+        return trained
+    if wanted > trained and model_config.rope_type == "default":
+        raise ValueError(
+            f"max_model_len={wanted} exceeds the model's max_position_embeddings={trained}"
+        )
+    return wanted
 
 
 def _require_positive_int(name: str, value: Any) -> None:

@@ -14,13 +14,11 @@ shapes, reading and writing the same addresses. Four ideas make decode fit that 
 * **Static buffers.** Each step copies its token ids, positions, K/V slots and page table
   into tensors that never move, and the graph leaves its logits in another. All buckets
   share one set, sized for the largest; bucket b uses the first b rows.
-* **A scratch page.** Padding rows must be harmless. Each is a one-token sequence whose
-  only page is the pool's scratch page, which is never given to a request: its K/V
-  write lands there and its logits row is dropped.
-* **Plan outside the graph.** flashinfer splits attention into `plan` (host code that
-  reads the page table and schedules the work) and `run` (the kernels). Only `run` is
-  captured. Before every replay, `plan` runs with the new page table and writes its
-  schedule into fixed buffers that the captured kernels read.
+* **A scratch page.** Padding rows must be harmless: each is a one-token request on the
+  pool's scratch page (`kv_pool.py`), and its logits row is dropped.
+* **Plan outside the graph.** Only flashinfer's `run` is captured, never its `plan`
+  (`attention_flashinfer.py`). Before every replay, `plan` runs with the new page table
+  and writes its schedule into fixed buffers that the captured kernels read.
 
 Graphs are captured at start-up, largest bucket first, all sharing one memory pool: the
 temporaries of a forward pass live in that pool for as long as the graph does, and the
@@ -37,17 +35,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import time
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from nanoqwen.attention import AttentionBackend, AttentionMetadata
+from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
 from nanoqwen.config import EngineConfig, ModelConfig
 from nanoqwen.model import QwenForCausalLM
-from nanoqwen.runner import StepInputs, build_step_inputs
-from nanoqwen.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 # Bigger decode steps run long enough that launch overhead no longer matters.
 MAX_BUCKET = 256
@@ -132,9 +130,9 @@ class DecodeGraphRunner:
     # ----------------------------------------------------------------- per step
     def bucket_for(self, batch: ScheduledBatch) -> int | None:
         """The bucket a decode-only batch pads to; None for other steps and oversized ones."""
-        if len(batch.requests) > self.buckets[-1] or any(n != 1 for n in batch.num_new_tokens):
+        if len(batch) > self.buckets[-1] or not batch.is_decode_only():
             return None
-        return self.buckets[bisect.bisect_left(self.buckets, len(batch.requests))]
+        return self.buckets[bisect.bisect_left(self.buckets, len(batch))]
 
     def handles(self, metadata: AttentionMetadata) -> bool:
         """Is this a step padded to one of the buckets?"""
@@ -169,28 +167,16 @@ class DecodeGraphRunner:
 
     # ----------------------------------------------------------------- start-up
     def capture_all(self) -> None:
-        console = Console(stderr=True)
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        columns = (
-            TextColumn("Capturing decode CUDA graphs"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
         pool = None
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("capture", total=len(self.buckets))
-            # Largest first: the smaller graphs then fit in the pool the largest one made.
-            for bucket in reversed(self.buckets):
-                pool = self.capture(bucket, pool)
-                progress.advance(task)
+        # Largest first: the smaller graphs then fit in the pool the largest one made.
+        for bucket in reversed(self.buckets):
+            pool = self.capture(bucket, pool)
         torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        mib = (torch.cuda.memory_reserved(self.device) - reserved) / 2**20
-        console.print(
-            f"Captured {len(self.graphs)} decode CUDA graphs for batch sizes "
-            f"{self.buckets[0]}-{self.buckets[-1]} in {seconds:.1f} s ({mib:.0f} MiB)",
-            soft_wrap=True,
+        logger.info(
+            "captured %d decode CUDA graphs for batch sizes %d-%d in %.1f s (%.0f MiB)",
+            len(self.graphs), self.buckets[0], self.buckets[-1], time.perf_counter() - start,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
 
     def capture(self, bucket: int, pool: tuple[int, int] | None) -> tuple[int, int]:

@@ -18,60 +18,40 @@ Bad input fails in `add_request` with a `ValueError`, before anything is queued.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from nanoqwen.attention import attention_backend_class
-from nanoqwen.config import EngineConfig, ModelConfig
-from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
-from nanoqwen.kv_pool import KVPool
-from nanoqwen.loader import load_model, resolve_model_path
+from nanoqwen.batch import ScheduledBatch
+from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
+from nanoqwen.loader import resolve_model_path
 from nanoqwen.radix_cache import RadixCache
-from nanoqwen.runner import ModelRunner, peak_step_memory
-from nanoqwen.sampler import Sampler, SamplingParams, make_generator
-from nanoqwen.scheduler import Request, Scheduler, Status
+from nanoqwen.request import Request, Status
+from nanoqwen.runner import ModelRunner
+from nanoqwen.sampler import SamplingParams, make_generator
+from nanoqwen.scheduler import Scheduler
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
-CPU_KV_CACHE_BYTES = 2 << 30
+# The phases of a step, in order, as `instrument` names them.
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass
 class RequestOutput:
-    """A request's progress after a step; the final one has `finished=True`."""
+    """A request's progress after a step; the last one has `finished=True`."""
 
     request_id: str
+    prompt_token_ids: list[int]  # shared with the engine: read, don't modify
+    token_ids: list[int]  # every token generated so far
     text: str  # every released character so far (stop strings excluded)
     delta_token_ids: list[int]  # generated this step
     delta_text: str  # released this step: what a stream sends
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-    # Token lists are sliced from the request only when read: copying them for every
-    # request on every step would cost more than the rest of the bookkeeping.
-    _request: Request = field(repr=False)
-    _num_tokens: int = field(repr=False)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self._request.prompt_token_ids
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token generated up to this output."""
-        return self._request.token_ids[self._request.num_prompt_tokens : self._num_tokens]
-
-
-@dataclass(eq=False)
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache (0 until admitted)
 
 
 class StepError(RuntimeError):
@@ -87,136 +67,25 @@ class StepError(RuntimeError):
         self.request_ids = request_ids
 
 
-class PhaseTimer:
-    """Wall time spent in each phase of `step()`, summed over steps (for the benchmark).
-
-    On CUDA the forward pass only launches kernels; the wait for them lands in "sample",
-    where the chosen ids are copied to the host.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.steps = 0
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def reset(self) -> None:
-        self.seconds, self.steps = {}, 0
-
-
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        model_dir = resolve_model_path(model)
-        self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.tokenizer = Tokenizer(model_dir)
-        self.device: torch.device = self.config.device
-        self.max_model_len = self._max_model_len()
-        self.model = load_model(model_dir, self.model_config, self.config.dtype, self.device)
-        cfg = self.model_config
-        # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
-        self.attention_class = attention_backend_class(self.device, cfg.head_dim, self.config.dtype)
-        self.decode_buckets = decode_buckets(self.config, cfg, self.attention_class)
-        self.pool = self._make_pool()
+        self.device = self.config.device
+        checkpoint = resolve_model_path(model)
+        self.model_config = ModelConfig.from_pretrained(checkpoint)
+        self.tokenizer = Tokenizer(checkpoint)
+        self.max_model_len = resolve_max_model_len(self.config, self.model_config)
+        self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
         )
-        backend = self.attention_class(self.pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        graphs = (
-            DecodeGraphRunner(self.model, backend, self.decode_buckets, self.max_model_len)
-            if self.decode_buckets
-            else None
-        )
-        self.runner = ModelRunner(
-            self.model, backend, Sampler(), self.pool.page_size, self.device, graphs
-        )
-        self.requests: dict[str, _Tracked] = {}
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        self.timer = PhaseTimer()
-
-    # ----------------------------------------------------------------- set-up
-    def _max_model_len(self) -> int:
-        trained = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len
-        if wanted is None:
-            return trained
-        if wanted > trained and self.model_config.rope_type == "default":
-            raise ValueError(
-                f"max_model_len={wanted} exceeds the model's max_position_embeddings={trained}"
-            )
-        return wanted
-
-    def _make_pool(self) -> KVPool:
-        cfg, page_size = self.model_config, self.config.page_size
-        page_bytes = KVPool.bytes_per_page(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.config.dtype
-        )
-        num_pages = self.config.num_pages or self._pages_for_memory(page_bytes)
-        return KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, num_pages,
-            self.config.dtype, self.device,
-        )
-
-    def _pages_for_memory(self, page_bytes: int) -> int:
-        memory = self.config.kv_cache_memory
-        if memory is not None and memory <= 1:
-            if self.device.type != "cuda":
-                raise ValueError("kv_cache_memory as a fraction of free memory needs CUDA")
-            memory = memory * torch.cuda.mem_get_info(self.device)[0]
-        if memory is None:
-            memory = self._default_kv_memory()
-        return max(2, int(memory // page_bytes) + 1)
-
-    def _default_kv_memory(self) -> float:
-        if self.device.type == "cuda":
-            return self._cuda_kv_memory()
-        # On the CPU: room for every sequence at full length, capped at a few GiB.
-        page_bytes = KVPool.bytes_per_page(
-            self.model_config.num_layers, self.model_config.num_kv_heads,
-            self.model_config.head_dim, self.config.page_size, self.config.dtype,
-        )
-        pages_per_seq = -(-self.max_model_len // self.config.page_size)
-        return min(CPU_KV_CACHE_BYTES, self.config.max_num_seqs * pages_per_seq * page_bytes)
-
-    def _cuda_kv_memory(self) -> float:
-        """`gpu_memory_utilization` of the GPU, less what everything but the KV pool needs.
-
-        That is what is in use now (weights, the CUDA context), the peak of the biggest
-        step (a full prefill chunk plus a decode token for every sequence, all sampled),
-        and the graph pool, which holds the temporaries of the largest decode bucket for good.
-        """
-        config, page_size = self.config, self.config.page_size
-        num_seqs = config.max_num_seqs
-        activations = peak_step_memory(
-            self.model, self.attention_class, page_size, config.chunk_size + num_seqs, num_seqs
-        )
-        if self.decode_buckets:
-            largest = self.decode_buckets[-1]
-            activations += peak_step_memory(
-                self.model, self.attention_class, page_size, largest, largest
-            )
-        torch.cuda.empty_cache()  # so that `free` counts what the profiling runs left cached
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = config.gpu_memory_utilization * total - (total - free) - activations
-        if budget <= 0:
-            gib = 2**30
-            raise ValueError(
-                f"no GPU memory left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
-                f"{activations / gib:.1f} GiB for activations exceed gpu_memory_utilization="
-                f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB; lower max_num_seqs "
-                "or chunk_size, or raise gpu_memory_utilization"
-            )
-        return budget
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -232,12 +101,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        generator = make_generator(params.seed, self.device) if params.seed is not None else None
         request = Request(
-            request_id, list(prompt_ids), len(prompt_ids), params, generator=generator
+            request_id,
+            prompt_ids,
+            params,
+            generator=make_generator(params.seed, self.device) if params.seed is not None else None,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-        self.requests[request_id] = _Tracked(request, detokenizer)
+        self.requests[request_id] = request
         self.scheduler.add(request)
         self.num_prompt_tokens += len(prompt_ids)
         return request_id
@@ -272,10 +143,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output, or None if it is unknown or done."""
-        tracked = self.requests.get(request_id)
-        if tracked is None:
+        request = self.requests.get(request_id)
+        if request is None:
             return None
-        return self._finish(tracked, "abort")
+        return self._finish(request, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -283,84 +154,82 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that moved."""
-        with self.timer.phase("schedule"):
-            batch = self.scheduler.schedule()
-            outputs = [
-                self._finish(self.requests[r.request_id], "length")
-                for r in self._drain_out_of_memory()
-            ]
-        if batch is None:
+        schedule = self.scheduler.schedule()
+        outputs = [self._finish(request, "length") for request in schedule.out_of_memory]
+        batch = schedule.batch
+        if not batch:
             return outputs
         try:
-            with self.timer.phase("prepare"):
-                inputs = self.runner.prepare(batch)
-            with self.timer.phase("forward"):
-                logits = self.runner.forward(inputs)
-            with self.timer.phase("sample"):
-                token_ids = self.runner.sample(logits, inputs)
+            sampled = self.runner.run(batch)
         except Exception as error:
-            raise StepError([r.request_id for r in batch.requests]) from error
-        with self.timer.phase("postprocess"):
-            self.scheduler.advance(batch)
-            for request, token_id in zip(inputs.sampled_requests, token_ids):
-                outputs.append(self._append_token(self.requests[request.request_id], token_id))
-        self.timer.steps += 1
-        return outputs
+            raise StepError([request.request_id for request in batch.requests]) from error
+        return outputs + self._postprocess(batch, sampled)
 
-    def _drain_out_of_memory(self) -> list[Request]:
-        finished, self.scheduler.finished_out_of_memory = self.scheduler.finished_out_of_memory, []
-        return finished
+    def _postprocess(
+        self, batch: ScheduledBatch, sampled: list[tuple[Request, int]]
+    ) -> list[RequestOutput]:
+        """Record the step's K/V as computed, then append each sampled token and stop."""
+        self.scheduler.advance(batch)
+        return [self._append_token(request, token_id) for request, token_id in sampled]
 
-    def _append_token(self, tracked: _Tracked, token_id: int) -> RequestOutput:
-        request = tracked.request
+    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
         request.token_ids.append(token_id)
         self.num_generated_tokens += 1
-        delta = tracked.detokenizer.add_token(token_id)
-        reason = self._stop_reason(tracked, token_id)
+        delta = request.detokenizer.add_token(token_id)
+        reason = self._stop_reason(request, token_id)
         if reason is not None:
-            return self._finish(tracked, reason, delta, [token_id])
-        return self._output(tracked, delta, [token_id])
+            return self._finish(request, reason, delta, [token_id])
+        return self._output(request, delta, [token_id])
 
-    def _stop_reason(self, tracked: _Tracked, token_id: int) -> str | None:
-        request, params = tracked.request, tracked.request.params
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             return "stop"
-        if token_id in params.stop_token_ids or tracked.detokenizer.stopped:
+        if token_id in params.stop_token_ids or request.detokenizer.stopped:
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _finish(
-        self, tracked: _Tracked, reason: str, delta: str = "", new_token_ids: list[int] | None = None
+        self, request: Request, reason: str, delta: str = "", new_token_ids: list[int] | None = None
     ) -> RequestOutput:
-        request = tracked.request
         if request.status is not Status.FINISHED:
             self.scheduler.finish(request, reason)
-        else:
+        else:  # the scheduler finished it already (out of memory)
             request.finish_reason = reason
-        delta += tracked.detokenizer.flush()
+        delta += request.detokenizer.flush()
         del self.requests[request.request_id]
         self.num_finished[reason] += 1
-        return self._output(tracked, delta, new_token_ids or [])
+        return self._output(request, delta, new_token_ids or [])
 
     def progress(self, request_id: str) -> RequestOutput:
         """An unfinished request's output so far, with nothing new in its deltas."""
         return self._output(self.requests[request_id], "", [])
 
-    def _output(self, tracked: _Tracked, delta: str, new_token_ids: list[int]) -> RequestOutput:
-        request = tracked.request
+    def _output(self, request: Request, delta: str, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
-            text=tracked.detokenizer.text,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=request.detokenizer.text,
             delta_token_ids=new_token_ids,
             delta_text=delta,
             finished=request.status is Status.FINISHED,
             finish_reason=request.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            _request=request,
-            _num_tokens=request.num_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
+
+    def instrument(self, wrap: PhaseWrapper) -> None:
+        """Route every phase of `step()` through `wrap(phase, function)`, which returns the
+        function to call instead: how a benchmark times the phases (`STEP_PHASES`) without
+        the engine keeping clocks of its own."""
+        runner = self.runner
+        self.scheduler.schedule = wrap("schedule", self.scheduler.schedule)
+        runner.prepare = wrap("prepare", runner.prepare)
+        runner.forward = wrap("forward", runner.forward)
+        runner.sample = wrap("sample", runner.sample)
+        self._postprocess = wrap("postprocess", self._postprocess)
 
     # ----------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:

@@ -27,71 +27,28 @@ Policy, every step:
    waiting queue, to be recomputed later. A request that cannot fit even alone finishes
    with reason "length".
 
-Invariant: every page a request holds covers tokens `[0, len(pages) * page_size)` of it,
-and `num_computed_tokens <= len(pages) * page_size`.
+The request-side invariant (which pages hold which tokens) is stated in `request.py`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
-import torch
-
+from nanoqwen.batch import ScheduledBatch
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.radix_cache import RadixCache
-from nanoqwen.sampler import SamplingParams
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    token_ids: list[int]  # the prompt, then every generated token
-    num_prompt_tokens: int
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    status: Status = Status.WAITING
-    pages: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache; -1 until admitted
-    num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
-    finish_reason: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+from nanoqwen.request import Request, Status
 
 
 @dataclass
-class ScheduledBatch:
-    """One step's work: `requests[i]` computes its next `num_new_tokens[i]` tokens."""
+class Schedule:
+    """Everything one `schedule()` call decided."""
 
-    requests: list[Request]
-    num_new_tokens: list[int]
-
-    def samples(self, index: int) -> bool:
-        """Does this step reach request `index`'s last token (so its logits get sampled)?"""
-        request = self.requests[index]
-        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
+    batch: ScheduledBatch  # what runs this step (possibly nothing)
+    # Requests finished with reason "length" because they cannot fit in the pool even
+    # alone; their pages are already released.
+    out_of_memory: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -109,15 +66,11 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished_out_of_memory: list[Request] = []
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, request: Request, reason: str) -> None:
         """Take a request out of the queues for good, caching and releasing its pages."""
@@ -144,13 +97,13 @@ class Scheduler:
         request.num_pages_in_cache = full_pages
 
     # ----------------------------------------------------------------- the step
-    def schedule(self) -> ScheduledBatch | None:
-        batch = ScheduledBatch([], [])
-        budget = self._schedule_running(batch, self.chunk_size)
-        self._admit_waiting(batch, budget)
-        return batch if batch.requests else None
+    def schedule(self) -> Schedule:
+        schedule = Schedule(ScheduledBatch([], []))
+        budget = self._schedule_running(schedule, self.chunk_size)
+        self._admit_waiting(schedule.batch, budget)
+        return schedule
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, schedule: Schedule, budget: int) -> int:
         index = 0
         while index < len(self.running):
             request = self.running[index]
@@ -159,22 +112,22 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            if not self._grow_or_preempt(request, request.num_computed_tokens + num_new):
+            if not self._grow_or_preempt(request, request.num_computed_tokens + num_new, schedule):
                 continue  # `request` itself was preempted or finished: the list shifted
-            batch.requests.append(request)
-            batch.num_new_tokens.append(num_new)
+            schedule.batch.requests.append(request)
+            schedule.batch.num_new_tokens.append(num_new)
             budget -= num_new if remaining > 1 else 0
             index += 1
         return budget
 
-    def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
+    def _grow_or_preempt(self, request: Request, num_tokens: int, schedule: Schedule) -> bool:
         """Give `request` pages for `num_tokens` tokens, preempting newer requests if needed."""
         while not self._grow(request, num_tokens):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 # Alone and still out of pages: it can never fit in this pool.
                 self.finish(request, "length")
-                self.finished_out_of_memory.append(request)
+                schedule.out_of_memory.append(request)
                 return False
             self._preempt(victim)
             if victim is request:
@@ -232,7 +185,7 @@ class Scheduler:
             request.pages, request.num_computed_tokens, request.num_pages_in_cache = [], 0, 0
             self.waiting.appendleft(request)
             return False
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached
             if self.cache is not None:
                 self.cache.record_query(request.num_prompt_tokens, num_cached)

@@ -67,7 +67,7 @@ def check_page_accounting(engine: LLMEngine) -> None:
     """Every page is exactly one of free, cached (tree only) or in use (held by requests)."""
     pool, cache = engine.pool, engine.cache
     request_holds = Counter(
-        page for tracked in engine.requests.values() for page in tracked.request.pages
+        page for request in engine.requests.values() for page in request.pages
     )
     tree_pages = cache.pages() if cache is not None else []
     tree_holds = Counter(tree_pages)

@@ -1,12 +1,13 @@
-"""The torch attention backend against attention written out request by request.
+"""The attention backends on random page tables, each held to a simpler one.
 
-`TorchBackend` attends decodes as sparse matrix products straight from the pool (float32
-and float64) and everything else by gathering pages into a padded batch for SDPA. Both
-paths are checked here on random page tables against the textbook formula: for each
+`ReferenceBackend` is checked against the formula itself, written out in float64: for each
 request, each new token and each head, softmax(q·k / sqrt(d)) over the keys at or before
-its position, times the values. The engine-level tests compare whole models against
-transformers; these pin the backend itself down, including the paths (bfloat16 decodes,
-odd head groupings, page size 1) that the tiny models don't reach.
+its position, times the values. `TorchBackend`, which attends decodes as sparse matrix
+products straight from the pool (float32 and float64) and everything else by gathering
+pages into a padded batch for SDPA, is then checked against `ReferenceBackend`. The
+engine-level tests compare whole models against transformers; these pin the backends
+down, including the paths (bfloat16 decodes, odd head groupings, page size 1) that the
+tiny models don't reach.
 """
 
 import random
@@ -16,9 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen.attention import PaddedGroup, SparseDecodeGroup, TorchBackend
+from nanoqwen.attention import AttentionBackend, ReferenceBackend
+from nanoqwen.attention_torch import PaddedGroup, SparseDecodeGroup, TorchBackend
+from nanoqwen.batch import StepInputs, StepInputsBuilder
 from nanoqwen.kv_pool import KVPool
-from nanoqwen.runner import StepInputs, StepLayout
 
 HEAD_DIM = 16
 # A step's rows: (tokens already cached, new tokens) per request.
@@ -30,16 +32,16 @@ def random_step(pool: KVPool, rows: list[Row], seed: int) -> tuple[StepInputs, l
     rng = random.Random(seed)
     free = list(range(1, pool.num_pages))
     rng.shuffle(free)
-    layout = StepLayout(pool.page_size)
+    builder = StepInputsBuilder(pool.page_size)
     all_pages = []
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        layout.add_row([0] * new, cached, pages, sample=True)
+        builder.add_row([0] * new, cached, pages, sample=True)
         all_pages.append(pages)
-    return layout.to_inputs(pool.kv.device, []), all_pages
+    return builder.build(pool.kv.device, []), all_pages
 
 
-def reference_attention(
+def formula_attention(
     pool: KVPool, rows: list[Row], pages: list[list[int]], q: torch.Tensor
 ) -> torch.Tensor:
     """Each new token of each request attends, head by head, to its request's keys."""
@@ -64,14 +66,15 @@ def reference_attention(
 
 
 def attend(
+    backend_class: type[AttentionBackend],
     rows: list[Row],
     num_heads: int,
     num_kv_heads: int,
     page_size: int,
     dtype: torch.dtype,
     seed: int,
-) -> tuple[TorchBackend, torch.Tensor, torch.Tensor]:
-    """The backend's output for one random step, and the reference's."""
+) -> tuple[AttentionBackend, torch.Tensor, torch.Tensor]:
+    """A backend's output for one random step, and the written-out formula's."""
     torch.manual_seed(seed)
     num_pages = sum(-(-(cached + new) // page_size) for cached, new in rows) + 1
     pool = KVPool(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, torch.device("cpu"))
@@ -80,10 +83,19 @@ def attend(
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, dtype=dtype)
     k, v = torch.randn(2, num_tokens, num_kv_heads, HEAD_DIM, dtype=dtype)
-    backend = TorchBackend(pool, num_heads, num_kv_heads, HEAD_DIM)
+    backend = backend_class(pool, num_heads, num_kv_heads, HEAD_DIM)
     backend.plan(inputs.metadata)
     out = backend.forward(0, q, k, v)
-    return backend, out, reference_attention(pool, rows, pages, q)
+    return backend, out, formula_attention(pool, rows, pages, q)
+
+
+def attend_both(
+    rows: list[Row], heads: tuple[int, int], page_size: int, dtype: torch.dtype, seed: int
+) -> tuple[TorchBackend, torch.Tensor, torch.Tensor]:
+    """TorchBackend's output for one random step, and ReferenceBackend's on the same data."""
+    backend, out, _ = attend(TorchBackend, rows, *heads, page_size, dtype, seed)
+    _, reference, _ = attend(ReferenceBackend, rows, *heads, page_size, dtype, seed)
+    return backend, out, reference
 
 
 TOLERANCE = {
@@ -94,24 +106,42 @@ TOLERANCE = {
 HEADS = [(4, 4), (4, 2), (6, 2), (4, 1)]
 
 
-@settings(max_examples=60, deadline=None)
+ROWS = st.lists(
+    # Decodes (one new token) often, to mix them with prefills in one step.
+    st.tuples(st.integers(0, 40), st.one_of(st.just(1), st.integers(1, 20))),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=30, deadline=None)
 @given(
-    rows=st.lists(
-        # Decodes (one new token) often, to mix them with prefills in one step.
-        st.tuples(st.integers(0, 40), st.one_of(st.just(1), st.integers(1, 20))),
-        min_size=1,
-        max_size=6,
-    ),
+    rows=ROWS,
     heads=st.sampled_from(HEADS),
     page_size=st.sampled_from([1, 4, 16]),
     dtype=st.sampled_from(list(TOLERANCE)),
     seed=st.integers(0, 2**16),
 )
-def test_matches_reference(
+def test_reference_matches_the_formula(
     rows: list[Row], heads: tuple[int, int], page_size: int, dtype: torch.dtype, seed: int
 ) -> None:
-    backend, out, expected = attend(rows, *heads, page_size, dtype, seed)
+    _, out, expected = attend(ReferenceBackend, rows, *heads, page_size, dtype, seed)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=ROWS,
+    heads=st.sampled_from(HEADS),
+    page_size=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from(list(TOLERANCE)),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_backend_matches_the_reference(
+    rows: list[Row], heads: tuple[int, int], page_size: int, dtype: torch.dtype, seed: int
+) -> None:
+    _, out, reference = attend_both(rows, heads, page_size, dtype, seed)
+    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize(
@@ -119,17 +149,18 @@ def test_matches_reference(
 )
 def test_decodes_and_prefills_take_their_own_paths(dtype: torch.dtype, decode_group: type) -> None:
     rows = [(30, 1), (0, 12), (5, 1), (17, 9), (0, 1)]
-    backend, out, expected = attend(rows, 6, 2, 4, dtype, seed=0)
+    backend, out, reference = attend_both(rows, (6, 2), 4, dtype, seed=0)
     assert [type(group) for group in backend.groups] == [decode_group, PaddedGroup]
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
-def test_new_keys_and_values_land_in_their_slots() -> None:
+@pytest.mark.parametrize("backend_class", [ReferenceBackend, TorchBackend])
+def test_new_keys_and_values_land_in_their_slots(backend_class: type[AttentionBackend]) -> None:
     rows = [(3, 1), (0, 5)]
     pool = KVPool(1, 2, HEAD_DIM, 4, 8, torch.float32, torch.device("cpu"))
     inputs, _ = random_step(pool, rows, seed=1)
     k, v = torch.randn(2, 6, 2, HEAD_DIM)
-    backend = TorchBackend(pool, 4, 2, HEAD_DIM)
+    backend = backend_class(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)
     backend.forward(0, torch.randn(6, 4, HEAD_DIM), k, v)
     k_cache, v_cache = (cache.flatten(0, 1) for cache in pool.layer_cache(0))

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.presets import random_checkpoint, synthetic_tokenizer
+from checkpoints import random_checkpoint, synthetic_tokenizer
 from nanoqwen.tokenizer import Tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
@@ -49,6 +49,15 @@ bench = load_bench()
 
 
 def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    return json.loads(run_bench_process(tmp_path, *args).stdout_json)
+
+
+class BenchRun(subprocess.CompletedProcess):
+    stdout_json: str
+
+
+def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
+    """bench.py in a subprocess; its JSON result is read into `stdout_json`."""
     out = tmp_path / "result.json"
     completed = subprocess.run(
         [sys.executable, str(BENCH), *args, "--device", "cpu", "--json", str(out)],
@@ -59,7 +68,8 @@ def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert completed.returncode == 0, completed.stderr
-    return json.loads(out.read_text())
+    completed.stdout_json = out.read_text()
+    return completed
 
 
 def workload(scenario: str = "random", **overrides: int) -> Any:
@@ -156,7 +166,14 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
     config.write_text(json.dumps(TINY_SHAPE))
     spec = workload(num_seqs=5)
     options = ["--compare", "hf", "--max-num-seqs", "2", "--rounds", "2"]
-    result = run_bench(tmp_path, "--random-weights", str(config), *cli_args(spec), *options)
+    process = run_bench_process(tmp_path, "--random-weights", str(config), *cli_args(spec), *options)
+    result = json.loads(process.stdout_json)
+    # Progress per round and engine, with no weight-loading or shard-writing bars in it.
+    for engine in ("nanoqwen", "transformers"):
+        for round_number in (1, 2):
+            assert f"{engine}, round {round_number}" in process.stderr
+    assert "5/5 requests" in process.stderr and "output tok/s" in process.stderr
+    assert "Loading" not in process.stderr and "Writing" not in process.stderr
     check_engine_figures(result["nanoqwen"], spec, result["settings"]["model_dir"])
     ours, theirs = result["rounds"]["nanoqwen"], result["rounds"]["transformers"]
     assert len(ours) == len(theirs) == 2
@@ -171,6 +188,12 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
     # The speedup compares the two runs of each round, then takes the median (of two: the mean).
     ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs, strict=True)]
     assert result["speedup"] == pytest.approx(sum(ratios) / 2)
+
+
+def test_help_is_dash_h() -> None:
+    completed = subprocess.run([sys.executable, str(BENCH), "-h"], capture_output=True, text=True)
+    assert completed.returncode == 0
+    assert "--random-weights" in completed.stdout and "--compare" in completed.stdout
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from nanoqwen import LLMEngine  # noqa: E402
-from nanoqwen.attention import FlashInferBackend, TorchBackend  # noqa: E402
+from nanoqwen.attention_flashinfer import FlashInferBackend  # noqa: E402
+from nanoqwen.attention_torch import TorchBackend  # noqa: E402
+from nanoqwen.batch import StepInputs, StepInputsBuilder  # noqa: E402
 from nanoqwen.kv_pool import KVPool  # noqa: E402
-from nanoqwen.runner import StepInputs, StepLayout  # noqa: E402
 from oracle import greedy, random_prompts, run_to_completion  # noqa: E402
-from tiny_models import build_qwen2  # noqa: E402
+from checkpoints import build_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -41,11 +42,11 @@ def random_step(pool: KVPool, rows: list[tuple[int, int]], seed: int) -> StepInp
     rng = random.Random(seed)
     free = list(range(1, pool.num_pages))
     rng.shuffle(free)
-    layout = StepLayout(pool.page_size)
+    builder = StepInputsBuilder(pool.page_size)
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        layout.add_row([0] * new, cached, pages, sample=True)
-    return layout.to_inputs(pool.kv.device, [])
+        builder.add_row([0] * new, cached, pages, sample=True)
+    return builder.build(pool.kv.device, [])
 
 
 @pytest.mark.parametrize(
@@ -143,7 +144,7 @@ def test_replays_allocate_nothing(engines) -> None:
     for prompt in random_prompts(VOCAB, [7, 20, 33, 4, 50], seed=3):
         engine.add_request(prompt, greedy(50))
     engine.step()  # the prefill
-    inputs = engine.runner.prepare(engine.scheduler.schedule())
+    inputs = engine.runner.prepare(engine.scheduler.schedule().batch)
     assert inputs.metadata.batch_size == 8 and engine.runner.decode_graphs.handles(inputs.metadata)
     logits = engine.runner.forward(inputs)
     first = logits.clone()
@@ -158,9 +159,10 @@ def test_replays_allocate_nothing(engines) -> None:
         engine.abort(request_id)
 
 
-def test_capture_reports_what_it_did(model_64: str, capfd: pytest.CaptureFixture) -> None:
-    LLMEngine(model_64, device="cuda", num_pages=64, decode_buckets=[1, 2])
-    assert "Captured 2 decode CUDA graphs" in capfd.readouterr().err
+def test_capture_reports_what_it_did(model_64: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        LLMEngine(model_64, device="cuda", num_pages=64, decode_buckets=[1, 2])
+    assert any("captured 2 decode CUDA graphs" in r.getMessage() for r in caplog.records)
 
 
 def test_float32_on_cuda_falls_back_to_torch_without_graphs(

@@ -18,12 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention import (
-    FlashInferBackend,
-    TorchBackend,
-    attention_backend_class,
-    flashinfer_unsupported_reason,
-)
+from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
+from nanoqwen.attention_torch import TorchBackend
+from nanoqwen.runner import attention_backend_class
 from nanoqwen.config import EngineConfig
 from nanoqwen.cuda_graph import MAX_BUCKET, decode_buckets, default_buckets
 from nanoqwen.kv_pool import SCRATCH_PAGE, KVPool
@@ -100,7 +97,7 @@ def test_default_buckets() -> None:
 def test_buckets_are_on_where_graphs_can_be_captured(qwen3_dir: str) -> None:
     engine = make_engine(qwen3_dir)
     config, model_config = engine.config, engine.model_config
-    assert engine.decode_buckets == [] and engine.runner.decode_graphs is None  # CPU default
+    assert engine.runner.decode_buckets == [] and engine.runner.decode_graphs is None  # CPU default
 
     cuda = dataclasses.replace(config, device="cpu")
     cuda.device = torch.device("cuda")  # the policy only reads it; nothing runs there
@@ -148,7 +145,7 @@ def test_padding_rows_write_only_the_scratch_page(eager: LLMEngine, bucketed: LL
         for prompt in prompts:
             engine.add_request(prompt, greedy(3))
         engine.step()  # the prefill
-        requests = [tracked.request for tracked in engine.requests.values()]
+        requests = list(engine.requests.values())
         new_slots = {
             r.pages[r.num_computed_tokens // pool.page_size] * pool.page_size
             + r.num_computed_tokens % pool.page_size
@@ -230,7 +227,7 @@ def test_scratch_page_is_never_handed_out(tight_pair, workload, seed: int) -> No
 # ----------------------------------------------------------------- backend choice
 def test_cpu_uses_the_torch_backend(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert attention_backend_class(torch.device("cpu"), 128, torch.float32) is TorchBackend
+        assert attention_backend_class(None, torch.device("cpu"), 128, torch.float32) is TorchBackend
     assert not caplog.records
 
 
@@ -239,7 +236,7 @@ def test_missing_flashinfer_falls_back_with_one_warning(
 ) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     with caplog.at_level(logging.WARNING):
-        chosen = attention_backend_class(torch.device("cuda"), 128, torch.bfloat16)
+        chosen = attention_backend_class(None, torch.device("cuda"), 128, torch.bfloat16)
     assert chosen is TorchBackend
     [record] = caplog.records
     assert "flashinfer" in record.getMessage() and "\n" not in record.getMessage()

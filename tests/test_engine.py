@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoqwen import LLM, SamplingParams
+from nanoqwen import LLM, SamplingParams, StepError
 from oracle import (
     check_page_accounting,
     greedy,
@@ -42,12 +42,43 @@ def test_greedy_batch_matches_transformers(llm: LLM, model_dir: str) -> None:
         assert output.finish_reason == "length"
 
 
+def test_reference_attention_engine_matches_transformers(model_dir: str) -> None:
+    """The textbook attention backend, end to end: the oracle of the fast one is itself right."""
+    llm = LLM(model_dir, device="cpu", attention_backend="reference", chunk_size=64)
+    assert type(llm.engine.runner.backend).__name__ == "ReferenceBackend"
+    prompts = random_prompts(vocab(llm), [1, 17, 150], seed=11)
+    for prompt, output in zip(prompts, llm.generate(prompts, greedy(12))):
+        assert output.token_ids == hf_greedy(model_dir, prompt, 12)
+
+
+def test_a_failing_step_names_its_requests_and_leaves_them_in_the_engine(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = llm.engine
+    ids = [engine.add_request(prompt, greedy(4)) for prompt in random_prompts(vocab(llm), [5, 9])]
+
+    def broken_forward(inputs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.runner, "forward", broken_forward)
+    with pytest.raises(StepError) as raised:
+        engine.step()
+    assert sorted(raised.value.request_ids) == sorted(ids)
+    assert "device fell over" in str(raised.value.__cause__)
+    assert sorted(engine.requests) == sorted(ids)
+    monkeypatch.undo()
+    for request_id in ids:
+        assert engine.abort(request_id).finish_reason == "abort"
+    check_page_accounting(engine)
+    assert engine.stats()["pages_used"] == 0
+
+
 def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
     engine = llm.engine
     prompts = random_prompts(vocab(llm), [1, 9, 40, 250], seed=2)
     for prompt in prompts:
         engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule()
+    batch = engine.scheduler.schedule().batch
     inputs = engine.runner.prepare(batch)
     logits = engine.runner.forward(inputs)
     for row, prompt in enumerate(prompts):

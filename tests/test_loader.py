@@ -13,7 +13,7 @@ from nanoqwen import LLM
 from nanoqwen.config import ModelConfig
 from nanoqwen.loader import load_model, resolve_model_path
 from oracle import hf_greedy, hf_last_logits, random_prompts, greedy
-from tiny_models import build_qwen2, build_qwen3
+from checkpoints import build_qwen2, build_qwen3
 
 
 def copy_checkpoint(source: str, destination: Path) -> Path:
@@ -117,7 +117,7 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict) -> None:
 def _first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     engine = llm.engine
     request_id = engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule()
+    batch = engine.scheduler.schedule().batch
     logits = engine.runner.forward(engine.runner.prepare(batch))[0]
     engine.scheduler.advance(batch)
     engine.abort(request_id)

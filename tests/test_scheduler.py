@@ -70,7 +70,7 @@ def test_decodes_advance_every_step_while_a_long_prompt_prefills(qwen3_dir: str)
         engine.step()
     long_id = engine.add_request(random_prompts(VOCAB, [600], seed=26)[0], greedy(4))
     prefill_steps = 0
-    while engine.requests[long_id].request.num_computed_tokens < 600:
+    while engine.requests[long_id].num_computed_tokens < 600:
         moved = {o.request_id for o in engine.step()}
         assert set(decoding) <= moved, "a running decode got no token this step"
         prefill_steps += 1

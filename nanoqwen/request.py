@@ -1,0 +1,69 @@
+"""A request as the engine tracks it, from arrival to its last token.
+
+transformers' `generate` holds a batch's state in tensors. A serving engine holds it per
+request instead, because requests arrive, grow and leave independently. Everything the
+other modules need to know about one request lives here:
+
+* its tokens: the prompt, then every generated token, in one list (`token_ids`);
+* its KV state: the pages holding its keys and values (`pages`, in token order) and how
+  many of its tokens already have K/V in them (`num_computed_tokens`). Tokens past that
+  still need a forward pass: a whole prompt chunk for a prefill, one token for a decode;
+* its place in the queues (`status`) and, once it has ended, why (`finish_reason`);
+* how to sample it (`params`, `generator`) and how to stream its text (`detokenizer`).
+
+Invariant: `num_computed_tokens <= len(pages) * page_size`, and page `i` holds the K/V of
+tokens `[i * page_size, (i + 1) * page_size)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from nanoqwen.sampler import SamplingParams
+from nanoqwen.tokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None  # set when the request is seeded
+    # Streams the output text. Requests built only to exercise the model (the memory
+    # profile of a start-up step) have none.
+    detokenizer: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(init=False)  # the prompt, then every generated token
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
+    num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
