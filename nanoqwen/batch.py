@@ -4,8 +4,10 @@ The scheduler decides a step in requests and token counts (`ScheduledBatch`: req
 computes its next `num_new_tokens[i]` tokens). The model wants flat tensors instead: the
 new tokens of every request back to back in one `[T]` vector, each with its position, plus
 the page table of `attention.py` saying whose keys live where, the slot each new K/V goes
-to, and the rows whose logits get sampled (the last new token of every request whose
-prompt is now fully computed; a prefill chunk in the middle of a prompt samples nothing).
+to, and the rows whose logits get sampled. A request samples the rows from its last
+accepted token on: one row when it is decoding or finishing its prompt, none for a
+prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` draft tokens to
+verify (`speculative.py`): the logits after each draft say whether it was right.
 `build_step_inputs` makes that `StepInputs`.
 
 The lists are built on the host, where the page tables live, and copied to the device in
@@ -34,18 +36,32 @@ PADDING_ROW_TOKEN_ID = 0
 @dataclass
 class ScheduledBatch:
     """The scheduler's decision for one step: `requests[i]` computes its next
-    `num_new_tokens[i]` tokens."""
+    `num_new_tokens[i]` tokens (its draft tokens included, when it has any)."""
 
     requests: list[Request]
     num_new_tokens: list[int]
+    # Where each request's new tokens start. None: right after its computed tokens, which
+    # is where the target model always starts; a draft model's passes start further on.
+    starts: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
 
+    def start(self, index: int) -> int:
+        return self.starts[index] if self.starts else self.requests[index].num_computed_tokens
+
     def reaches_last_token(self, index: int) -> bool:
         """Does this step compute request `index`'s last token, so its logits are sampled?"""
+        end = self.start(index) + self.num_new_tokens[index]
+        return end == self.requests[index].num_tokens_with_drafts
+
+    def num_sampled_rows(self, index: int) -> int:
+        """How many of request `index`'s trailing rows are sampled: those from its last
+        accepted token on (each row's logits give the token after it)."""
+        if not self.reaches_last_token(index):
+            return 0
         request = self.requests[index]
-        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
+        return min(self.num_new_tokens[index], 1 + len(request.draft_token_ids))
 
     def is_decode_only(self) -> bool:
         return all(count == 1 for count in self.num_new_tokens)
@@ -59,6 +75,7 @@ class StepInputs:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # int64 [S]
     sampled_requests: list[Request]  # whose logits `sample_rows` are, in order
+    num_sampled_rows: list[int]  # how many consecutive rows each of them has
 
 
 class StepInputsBuilder:
@@ -75,8 +92,9 @@ class StepInputsBuilder:
         self.sample_rows: list[int] = []
         self.max_q_len = self.max_kv_len = 0
 
-    def add_row(self, token_ids: list[int], start: int, pages: list[int], sample: bool) -> None:
-        """A request computing `token_ids` at positions `start, start + 1, ...`.
+    def add_row(self, token_ids: list[int], start: int, pages: list[int], num_sampled: int) -> None:
+        """A request computing `token_ids` at positions `start, start + 1, ...`, the last
+        `num_sampled` of them sampled.
 
         `pages` are its pages up to and including the one holding its last new token.
         """
@@ -97,13 +115,15 @@ class StepInputsBuilder:
         self.last_page_len.append(end - (len(pages) - 1) * page_size)
         self.max_q_len = max(self.max_q_len, len(token_ids))
         self.max_kv_len = max(self.max_kv_len, end)
-        if sample:
-            self.sample_rows.append(self.qo_indptr[-1] - 1)
+        end_row = self.qo_indptr[-1]
+        self.sample_rows.extend(range(end_row - num_sampled, end_row))
 
     def add_padding_row(self) -> None:
-        self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], sample=False)
+        self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], num_sampled=0)
 
-    def build(self, device: torch.device, sampled_requests: list[Request]) -> StepInputs:
+    def build(
+        self, device: torch.device, sampled_requests: list[Request], num_sampled_rows: list[int]
+    ) -> StepInputs:
         def on_host(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             # Pinned memory lets the copy to the GPU run without the host waiting for it.
             return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
@@ -132,6 +152,7 @@ class StepInputsBuilder:
             metadata=metadata,
             sample_rows=on_device(on_host(self.sample_rows, torch.int64)),
             sampled_requests=sampled_requests,
+            num_sampled_rows=num_sampled_rows,
         )
 
 
@@ -141,13 +162,16 @@ def build_step_inputs(
     """Lay a batch out for the model, with padding rows up to `pad_to` requests."""
     builder = StepInputsBuilder(page_size)
     sampled: list[Request] = []
+    num_sampled_rows: list[int] = []
     for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        sample = batch.reaches_last_token(index)
+        start = batch.start(index)
+        end = start + num_new
+        num_sampled = batch.num_sampled_rows(index)
         pages = request.pages[: -(-end // page_size)]
-        builder.add_row(request.token_ids[start:end], start, pages, sample)
-        if sample:
+        builder.add_row(request.tokens_with_drafts(start, end), start, pages, num_sampled)
+        if num_sampled:
             sampled.append(request)
+            num_sampled_rows.append(num_sampled)
     for _ in range(len(batch.requests), pad_to):
         builder.add_padding_row()
-    return builder.build(device, sampled)
+    return builder.build(device, sampled, num_sampled_rows)

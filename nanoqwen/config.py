@@ -3,7 +3,8 @@
 Two small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs) and validates them before anything is loaded,
+  memory, chunk size, caching, graphs, speculative decoding) and validates them before
+  anything is loaded,
   so a typo in a dtype fails in one clear line instead of deep inside a kernel.
 * `ModelConfig` is the model's shape, read from the checkpoint's `config.json` through
   transformers' `AutoConfig`. The decoder in `model.py` is built from it alone; the
@@ -21,6 +22,7 @@ from transformers import AutoConfig, PretrainedConfig
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -82,6 +84,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
     attention_backend: str | None = None
+    # Speculative decoding (speculative.py): "ngram" guesses from the request's own text,
+    # "draft" runs `draft_model`, a smaller model with the same tokenizer; None is off.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # draft tokens per request and step
+    draft_model: str | None = None  # a hub id or directory; implies speculative="draft"
+    ngram_min: int = 2  # shortest suffix of the text to look up earlier in it
+    ngram_max: int = 4  # longest one; longer suffixes are tried first
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -107,6 +116,27 @@ class EngineConfig:
         if self.chunk_size is None:
             # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
             self.chunk_size = 8192 if self.device.type == "cuda" else 512
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None and self.draft_model is not None:
+            self.speculative = "draft"  # naming a draft model asks for it, as in vLLM
+        if self.speculative not in SPECULATIVE_METHODS:
+            names = ", ".join(str(name) for name in SPECULATIVE_METHODS)
+            raise ValueError(f"speculative must be one of {names}, got {self.speculative!r}")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative='draft' needs draft_model (a hub id or directory)")
+        if self.speculative != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is only used with speculative='draft', not {self.speculative!r}")
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            _require_positive_int(name, getattr(self, name))
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+
+    @property
+    def num_drafts_per_step(self) -> int:
+        """The most draft tokens a request carries into one step (0 without speculation)."""
+        return self.num_speculative_tokens if self.speculative else 0
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -8,6 +8,11 @@ stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
 stream) plus everything so far. Finished requests release their pages, leaving their
 full pages to the prefix cache so a follow-up turn can reuse them.
 
+With speculative decoding (`speculative.py`), a proposer adds draft tokens to the
+scheduled batch before it runs, and a step may give a request several tokens: they are
+appended one at a time through the same stop checks, and the first that ends the request
+drops the rest; then the proposer settles the drafts (keeping the accepted ones' K/V).
+
 `LLM` is the offline interface: `generate` queues many prompts and steps until all are
 done, returning outputs in prompt order; `chat` renders conversations through the chat
 template first; `stream` yields one request's deltas as they are produced.
@@ -30,12 +35,13 @@ from nanoqwen.request import Request, Status
 from nanoqwen.runner import ModelRunner
 from nanoqwen.sampler import SamplingParams, make_generator
 from nanoqwen.scheduler import Scheduler
+from nanoqwen.speculative import SpeculationStats, make_proposer, resolve_draft_model
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
 # The phases of a step, in order, as `instrument` names them.
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
 PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 
 
@@ -75,11 +81,18 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
-        self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        draft = resolve_draft_model(self.config, self.tokenizer)
+        self.runner = ModelRunner(
+            self.config, self.model_config, checkpoint, self.max_model_len,
+            draft_model_config=draft.model_config if draft else None,
+        )
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
+        )
+        self.proposer = make_proposer(
+            self.config, self.scheduler, self.runner, draft, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -160,26 +173,36 @@ class LLMEngine:
         if not batch:
             return outputs
         try:
+            if self.proposer is not None:
+                self.proposer.propose(batch)
             sampled = self.runner.run(batch)
         except Exception as error:
+            if self.proposer is not None:
+                self.proposer.discard(batch)
             raise StepError([request.request_id for request in batch.requests]) from error
         return outputs + self._postprocess(batch, sampled)
 
     def _postprocess(
-        self, batch: ScheduledBatch, sampled: list[tuple[Request, int]]
+        self, batch: ScheduledBatch, sampled: list[tuple[Request, list[int]]]
     ) -> list[RequestOutput]:
-        """Record the step's K/V as computed, then append each sampled token and stop."""
+        """Record the step's K/V as computed, then append each request's new tokens and stop."""
         self.scheduler.advance(batch)
-        return [self._append_token(request, token_id) for request, token_id in sampled]
+        outputs = [self._append_tokens(request, token_ids) for request, token_ids in sampled]
+        if self.proposer is not None:
+            self.proposer.settle(sampled)
+        return outputs
 
-    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
-        request.token_ids.append(token_id)
-        self.num_generated_tokens += 1
-        delta = request.detokenizer.add_token(token_id)
-        reason = self._stop_reason(request, token_id)
-        if reason is not None:
-            return self._finish(request, reason, delta, [token_id])
-        return self._output(request, delta, [token_id])
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
+        """Append tokens one at a time; the first that ends the request drops the rest."""
+        delta = ""
+        for count, token_id in enumerate(token_ids, start=1):
+            request.token_ids.append(token_id)
+            self.num_generated_tokens += 1
+            delta += request.detokenizer.add_token(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                return self._finish(request, reason, delta, token_ids[:count])
+        return self._output(request, delta, list(token_ids))
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.params
@@ -226,6 +249,8 @@ class LLMEngine:
         the engine keeping clocks of its own."""
         runner = self.runner
         self.scheduler.schedule = wrap("schedule", self.scheduler.schedule)
+        if self.proposer is not None:
+            self.proposer.propose = wrap("propose", self.proposer.propose)
         runner.prepare = wrap("prepare", runner.prepare)
         runner.forward = wrap("forward", runner.forward)
         runner.sample = wrap("sample", runner.sample)
@@ -255,6 +280,7 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "finished": dict(self.num_finished),
+            **(self.proposer.stats if self.proposer else SpeculationStats()).as_dict(),
         }
 
     def reset_prefix_cache(self) -> int:

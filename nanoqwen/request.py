@@ -9,7 +9,10 @@ other modules need to know about one request lives here:
   many of its tokens already have K/V in them (`num_computed_tokens`). Tokens past that
   still need a forward pass: a whole prompt chunk for a prefill, one token for a decode;
 * its place in the queues (`status`) and, once it has ended, why (`finish_reason`);
-* how to sample it (`params`, `generator`) and how to stream its text (`detokenizer`).
+* how to sample it (`params`, `generator`) and how to stream its text (`detokenizer`);
+* during a step with speculative decoding, the guessed next tokens to verify
+  (`draft_token_ids`, see `speculative.py`). They are not part of `token_ids`: only the
+  tokens the target model accepts are appended there.
 
 Invariant: `num_computed_tokens <= len(pages) * page_size`, and page `i` holds the K/V of
 tokens `[i * page_size, (i + 1) * page_size)`.
@@ -48,6 +51,10 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
     num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
     finish_reason: str | None = None
+    # This step's draft tokens, and the distributions a draft model sampled them from
+    # (`[len(draft_token_ids), vocab]`; None for greedy requests and n-gram guesses).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -55,6 +62,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    def tokens_with_drafts(self, start: int, end: int) -> list[int]:
+        """Tokens `[start, end)` of the sequence the drafts extend."""
+        num_accepted = len(self.token_ids)
+        if end <= num_accepted:
+            return self.token_ids[start:end]
+        drafts = self.draft_token_ids[max(start - num_accepted, 0) : end - num_accepted]
+        return self.token_ids[start:end] + drafts
 
     @property
     def num_prompt_tokens(self) -> int:

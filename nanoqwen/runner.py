@@ -13,7 +13,11 @@ The engine thinks in requests; the runner turns one step of them into tokens. It
 
 Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
 forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
-the next token of every request whose last token was computed.
+the next token of every request whose last token was computed, or, for a request
+carrying draft tokens, verifies them (`verification.py`).
+
+With a draft model (`speculative.py`), a second runner runs it on a pool that mirrors
+this one page for page: this runner's pool is sized for both models' bytes per page.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from nanoqwen.config import EngineConfig, ModelConfig
 from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.loader import load_model
+from nanoqwen.model import QwenForCausalLM
 from nanoqwen.request import Request
 from nanoqwen.sampler import Sampler, SamplingParams
+from nanoqwen.verification import sample_with_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +70,18 @@ def attention_backend_class(
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, checkpoint: str, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        checkpoint: str,
+        max_model_len: int,
+        num_pages: int | None = None,  # given: a draft model's pool, mirroring the target's
+        draft_model_config: ModelConfig | None = None,  # a draft model sharing this pool's pages
     ) -> None:
         self.config, self.model_config = config, model_config
         self.device: torch.device = config.device
         self.max_model_len = max_model_len
+        self.draft_model_config = draft_model_config
         self.model = load_model(checkpoint, model_config, config.dtype, self.device)
         self.sampler = Sampler()
         # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
@@ -76,7 +89,7 @@ class ModelRunner:
             config.attention_backend, self.device, model_config.head_dim, config.dtype
         )
         self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
-        self.pool = self._make_pool(self.num_kv_pages())
+        self.pool = self._make_pool(num_pages or self.num_kv_pages())
         self.backend = self._make_backend(self.pool)
         self.decode_graphs = (
             DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
@@ -85,8 +98,9 @@ class ModelRunner:
         )
 
     # ----------------------------------------------------------------- the step
-    def run(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
-        """Run one step; return the next token of every request it reached the end of."""
+    def run(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
+        """Run one step; return the new tokens of every request it reached the end of: one,
+        or with draft tokens, the accepted drafts and one more."""
         inputs = self.prepare(batch)
         logits = self.forward(inputs)
         return list(zip(inputs.sampled_requests, self.sample(logits, inputs)))
@@ -102,10 +116,10 @@ class ModelRunner:
         self.backend.plan(inputs.metadata)
         return self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[int]:
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
         if not inputs.sampled_requests:
             return []
-        return self.sampler.sample(logits, inputs.sampled_requests)
+        return sample_with_drafts(self.sampler, logits, inputs.sampled_requests)
 
     # ----------------------------------------------------------------- KV sizing
     def num_kv_pages(self) -> int:
@@ -120,10 +134,24 @@ class ModelRunner:
         return max(2, int(memory // self._page_bytes()) + 1)
 
     def _page_bytes(self) -> int:
-        cfg = self.model_config
-        return KVPool.bytes_per_page(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size, self.config.dtype
+        """Bytes of one page: this model's K/V, plus a draft model's for the same tokens."""
+        models = [self.model_config, self.draft_model_config]
+        return sum(
+            KVPool.bytes_per_page(
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size,
+                self.config.dtype,
+            )
+            for cfg in models
+            if cfg is not None
         )
+
+    def _draft_weight_bytes(self) -> int:
+        """What a draft model's weights will take, counted on the meta device (no memory)."""
+        if self.draft_model_config is None:
+            return 0
+        with torch.device("meta"):
+            draft = QwenForCausalLM(self.draft_model_config)
+        return sum(p.numel() for p in draft.parameters()) * self.config.dtype.itemsize
 
     def _available_memory(self) -> float:
         if self.device.type == "cuda":
@@ -138,36 +166,42 @@ class ModelRunner:
     def _cuda_kv_memory(self) -> float:
         """`gpu_memory_utilization` of the GPU, less what everything but the KV pool needs.
 
-        That is what is in use now (weights, the CUDA context), the peak of the biggest
-        step (a full prefill chunk plus a decode token for every sequence, all sampled),
-        and the graph pool, which holds the temporaries of the largest decode bucket for good.
+        That is what is in use now (weights, the CUDA context), a draft model's weights, the
+        peak of the biggest step (a full prefill chunk plus a decode token and its draft
+        tokens for every sequence, all sampled), and the graph pool, which holds the
+        temporaries of the largest decode bucket for good.
         """
         config = self.config
         num_seqs = config.max_num_seqs
-        activations = self._profile_step_memory(config.chunk_size + num_seqs, num_seqs)
+        per_seq = 1 + config.num_drafts_per_step
+        activations = self._profile_step_memory(
+            config.chunk_size + num_seqs * per_seq, num_seqs, config.num_drafts_per_step
+        )
         if self.decode_buckets:
             largest = self.decode_buckets[-1]
             activations += self._profile_step_memory(largest, largest)
         torch.cuda.empty_cache()  # so that `free` counts what the profiling runs left cached
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = config.gpu_memory_utilization * total - (total - free) - activations
+        in_use = total - free + self._draft_weight_bytes()
+        budget = config.gpu_memory_utilization * total - in_use - activations
         if budget <= 0:
             gib = 2**30
             raise ValueError(
-                f"no GPU memory left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
+                f"no GPU memory left for the KV cache: {in_use / gib:.1f} GiB in use and "
                 f"{activations / gib:.1f} GiB for activations exceed gpu_memory_utilization="
                 f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB; lower max_num_seqs "
                 "or chunk_size, or raise gpu_memory_utilization"
             )
         return budget
 
-    def _profile_step_memory(self, num_tokens: int, num_sequences: int) -> int:
+    def _profile_step_memory(self, num_tokens: int, num_sequences: int, num_drafts: int = 0) -> int:
         """Peak CUDA bytes one step allocates beyond the weights and the KV pool.
 
         The step computes `num_tokens` prompt tokens spread over `num_sequences` requests,
-        all sampled with top-p (the sampler's hungriest path), through a fresh attention
-        backend, so its buffers are counted too. It runs on a throwaway pool in which every
-        request shares the same pages: only the memory is of interest, not the values.
+        each ending in `num_drafts` draft tokens, all sampled with top-p (the sampler's
+        hungriest path), through a fresh attention backend, so its buffers are counted
+        too. It runs on a throwaway pool in which every request shares the same pages:
+        only the memory is of interest, not the values.
         """
         share, rest = divmod(num_tokens, num_sequences)
         lengths = [share + (i < rest) for i in range(num_sequences)]
@@ -176,7 +210,10 @@ class ModelRunner:
         pages = pool.allocate(num_pages)
         params = SamplingParams(top_p=0.9)
         requests = [
-            Request(f"profile-{i}", [PADDING_ROW_TOKEN_ID] * length, params, pages=pages)
+            Request(
+                f"profile-{i}", [PADDING_ROW_TOKEN_ID] * (length - num_drafts), params,
+                pages=pages, draft_token_ids=[PADDING_ROW_TOKEN_ID] * num_drafts,
+            )
             for i, length in enumerate(lengths)
         ]
         torch.cuda.synchronize(self.device)

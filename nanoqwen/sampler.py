@@ -20,6 +20,10 @@ Drawing uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i
 win, and no renormalisation is needed. The point of the trick is that the noise is an
 ordinary tensor, so each seeded row can fill its own noise row from its own generator.
 
+Speculative decoding (``verification.py``) needs the distribution itself rather than one
+draw from it: ``distribution`` returns exactly what ``sample`` draws from, normalised, and
+``draw`` / ``uniform_noise`` draw from any distribution with the rows' own random streams.
+
 Invariant: a row's result depends only on that row's logits, parameters, token history and
 generator, so a seeded request yields the same tokens whatever else shares the batch and
 whichever row it occupies. Every filter is an exact no-op for rows that disable it, so
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -173,11 +177,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[int]:
         """Pick the next token for each row of ``logits`` ``[B, vocab]`` under its params."""
-        if logits.dim() != 2 or logits.shape[0] != len(requests):
-            raise ValueError(
-                f"logits must be [len(requests), vocab] = [{len(requests)}, vocab], "
-                f"got {tuple(logits.shape)}"
-            )
+        _check_shape(logits, requests)
         logits = _apply_penalties(logits, requests)
         sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
         if not sampled_rows:
@@ -188,6 +188,48 @@ class Sampler:
         rows = _to_device(sampled_rows, torch.int64, logits.device)
         token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
         return token_ids.tolist()
+
+    def distribution(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
+    ) -> torch.Tensor:
+        """The normalised float32 distribution ``sample`` draws each row's token from.
+
+        Penalties, temperature and the filters are applied; a greedy row is one-hot at
+        its argmax.
+        """
+        _check_shape(logits, requests)
+        logits = _apply_penalties(logits, requests)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
+        if greedy:
+            rows = _to_device(greedy, torch.int64, logits.device)
+            probs[rows, _argmax(logits[rows])] = 1.0
+        if len(greedy) < len(requests):
+            sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
+            rows = _to_device(sampled, torch.int64, logits.device)
+            kept = _filtered_probs(logits[rows], [requests[row] for row in sampled])
+            probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
+        return probs
+
+
+def draw(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """One token per row of ``probs`` (``[B, vocab]``, not necessarily normalised), each
+    row drawn with its request's random stream. Overwrites ``probs``."""
+    noise = _random_rows(probs.shape[-1], requests, probs.device, torch.Tensor.exponential_)
+    return _argmax(probs.div_(noise))
+
+
+def uniform_noise(requests: Sequence[SamplingRequest], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) number per request, ``[B]``, each from its request's random stream."""
+    return _random_rows(1, requests, device, torch.Tensor.uniform_)[:, 0]
+
+
+def _check_shape(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(requests):
+        raise ValueError(
+            f"logits must be [len(requests), vocab] = [{len(requests)}, vocab], "
+            f"got {tuple(logits.shape)}"
+        )
 
 
 def _argmax(rows: torch.Tensor) -> torch.Tensor:
@@ -228,6 +270,12 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRequest]) 
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
     """Draw one token per row (none of them greedy) from the filtered, tempered distribution."""
+    return draw(_filtered_probs(logits, requests), requests)
+
+
+def _filtered_probs(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Softmax of the tempered logits with the tokens outside top-k, top-p and min-p zeroed
+    (not renormalised), for rows that are not greedy."""
     params = [request.params for request in requests]
     logits = logits.float()
     if any(p.temperature != 1.0 for p in params):
@@ -238,7 +286,7 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> t
         _drop_outside_top_k_top_p(probs, params)
     if any(p.min_p > 0.0 for p in params):
         _drop_below_min_p(probs, params)
-    return _argmax(probs.div_(_exponential_noise(probs, requests)))
+    return probs
 
 
 def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -276,9 +324,12 @@ def _drop_below_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
     probs.masked_fill_(probs < threshold, 0.0)
 
 
-def _exponential_noise(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Exp(1) noise shaped like ``probs``: seeded rows from their own generator, the rest shared."""
-    noise = torch.empty_like(probs)
+def _random_rows(
+    width: int, requests: Sequence[SamplingRequest], device: torch.device, fill: Callable
+) -> torch.Tensor:
+    """``[len(requests), width]`` float32 noise made by ``fill(tensor, generator=...)`` (an
+    in-place torch sampler): seeded rows from their own generator, the rest shared."""
+    noise = torch.empty(len(requests), width, device=device)
     seeded_rows = []
     for row, request in enumerate(requests):
         if request.generator is not None:
@@ -288,9 +339,9 @@ def _exponential_noise(probs: torch.Tensor, requests: Sequence[SamplingRequest])
                 f"request in row {row} has seed {request.params.seed} but no generator"
             )
     if len(seeded_rows) < len(requests):
-        noise.exponential_()
+        fill(noise)
     for row, generator in seeded_rows:
-        noise[row].exponential_(generator=generator)
+        fill(noise[row], generator=generator)
     return noise
 
 

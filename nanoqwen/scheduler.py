@@ -26,7 +26,14 @@ Policy, every step:
    released (its full pages stay in the prefix cache) and it goes back to the head of the
    waiting queue, to be recomputed later. A request that cannot fit even alone finishes
    with reason "length".
+4. **Draft tokens** (speculative decoding, `speculative.py`) are guesses: they join a
+   request's row after the schedule is made, get pages only when some are free or
+   evictable (never by preempting anyone), and spend no prefill budget. After the step,
+   `settle_drafts` keeps the K/V of the drafts the target accepted and rolls back the
+   rest: the request's computed length shrinks to its accepted tokens and the pages past
+   it are freed. The prefix cache only ever receives pages of accepted tokens.
 
+Between steps, a running request holds exactly the pages its computed tokens fill.
 The request-side invariant (which pages hold which tokens) is stated in `request.py`.
 """
 
@@ -207,9 +214,30 @@ class Scheduler:
             for other in self.running
         )
 
+    def make_room_for_drafts(self, request: Request, num_tokens: int, num_drafts: int) -> int:
+        """Pages for up to `num_drafts` draft tokens after the request's first `num_tokens`;
+        returns how many fit. Cached pages may be evicted for them, no request preempted."""
+        if self._grow(request, num_tokens + num_drafts):
+            return num_drafts
+        return max(0, min(num_drafts, len(request.pages) * self.page_size - num_tokens))
+
     # ----------------------------------------------------------------- after the forward
     def advance(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's tokens now have K/V; offer new full pages to the cache."""
+        """Record that the batch's tokens now have K/V; offer new full pages to the cache.
+
+        Draft tokens don't count yet: only `settle_drafts` knows which were accepted.
+        """
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - len(request.draft_token_ids)
             self._offer_to_cache(request)
+
+    def settle_drafts(self, request: Request) -> None:
+        """After a verification step has appended its tokens to a running `request`: the
+        K/V of every token but the last (the accepted drafts) stays, the rejected drafts'
+        slots are rolled back and the pages past them freed."""
+        request.draft_token_ids, request.draft_probs = [], None
+        request.num_computed_tokens = request.num_tokens - 1
+        num_pages = -(-request.num_computed_tokens // self.page_size)
+        self.pool.release(request.pages[num_pages:])
+        del request.pages[num_pages:]
+        self._offer_to_cache(request)

@@ -92,6 +92,10 @@ class Tokenizer:
             **template_variables,
         )
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's string and id, special tokens included."""
+        return self._hf.get_vocab()
+
     @property
     def vocab_size(self) -> int:
         """Number of tokens including added special tokens (the model's embedding table may

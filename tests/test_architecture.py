@@ -19,9 +19,9 @@ LAYERS = [
     {"config", "kv_pool"},
     {
         "sampler", "tokenizer", "request", "radix_cache", "attention", "attention_torch",
-        "attention_flashinfer", "model", "loader", "batch",
+        "attention_flashinfer", "model", "loader", "batch", "verification",
     },
-    {"cuda_graph", "scheduler", "runner"},
+    {"cuda_graph", "scheduler", "runner", "speculative"},
     {"engine"},
     {"__init__", "cli", "metrics", "server"},
 ]

@@ -36,9 +36,9 @@ def random_step(pool: KVPool, rows: list[Row], seed: int) -> tuple[StepInputs, l
     all_pages = []
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        builder.add_row([0] * new, cached, pages, sample=True)
+        builder.add_row([0] * new, cached, pages, num_sampled=1)
         all_pages.append(pages)
-    return builder.build(pool.kv.device, []), all_pages
+    return builder.build(pool.kv.device, [], []), all_pages
 
 
 def formula_attention(

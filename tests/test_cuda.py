@@ -45,8 +45,8 @@ def random_step(pool: KVPool, rows: list[tuple[int, int]], seed: int) -> StepInp
     builder = StepInputsBuilder(pool.page_size)
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        builder.add_row([0] * new, cached, pages, sample=True)
-    return builder.build(pool.kv.device, [])
+        builder.add_row([0] * new, cached, pages, num_sampled=1)
+    return builder.build(pool.kv.device, [], [])
 
 
 @pytest.mark.parametrize(
