@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, EngineConfig
+from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, SPECULATIVE_METHODS, EngineConfig
 from nanoqwen.runner import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -49,10 +49,24 @@ ENGINE_OPTIONS = [
                  type=click.Choice([name for name in ATTENTION_BACKEND_NAMES if name]),
                  help="Attention implementation. Default: flashinfer on CUDA when it can run "
                       "the model, else torch; reference is the textbook one, for comparison."),
+    click.option("--speculative", default=None,
+                 type=click.Choice([name for name in SPECULATIVE_METHODS if name]),
+                 help="Speculative decoding: ngram guesses tokens from the text so far, draft "
+                      "runs --draft-model; the target model verifies the guesses. Default: off."),
+    click.option("--num-speculative-tokens", default=engine_default("num_speculative_tokens"),
+                 type=click.IntRange(min=1), help="Draft tokens per request and step."),
+    click.option("--draft-model", default=None,
+                 help="Smaller model with the same tokenizer (hub id or directory) for "
+                      "--speculative draft, which it implies."),
+    click.option("--ngram-min", default=engine_default("ngram_min"), type=click.IntRange(min=1),
+                 help="Shortest n-gram --speculative ngram looks up."),
+    click.option("--ngram-max", default=engine_default("ngram_max"), type=click.IntRange(min=1),
+                 help="Longest n-gram --speculative ngram looks up (tried first)."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
+    "speculative", "num_speculative_tokens", "draft_model", "ngram_min", "ngram_max",
 )
 
 
