@@ -5,14 +5,20 @@
 
 **The workload** is synthetic and fixed by `--seed`: prompts of random token ids (special
 tokens left out) with lengths drawn uniformly from `[--min-input, --max-input]`, and for each
-an output length from `[--min-output, --max-output]`, generated greedily with `ignore_eos`, so
-every run does exactly the same work. Three scenarios:
+an output length from `[--min-output, --max-output]`, generated with `ignore_eos` (greedily,
+or at `--temperature` with a seed per request), so every run does exactly the same work.
+Four scenarios:
 
 * `random`: independent prompts, all submitted at once (an offline batch job).
 * `shared-prefix`: the same, but every prompt starts with the same `--min-input` tokens (a
   shared system prompt), which the prefix cache should serve after the first request.
 * `multi-turn`: conversations of `--turns` turns; turn N+1 is submitted when turn N finishes
   and its prompt is turn N's prompt, then its answer, then new tokens (a chat).
+* `copy`: the second half of every prompt is the model's own greedy continuation of the
+  first half (computed before the timed runs), and the answer goes on from there: text the
+  prompt already holds, which is what prompt lookup (`--speculative ngram`) feeds on. A
+  random-weights model copies nothing on its own, but its greedy text repeats itself, so
+  its answer here is found in the prompt.
 
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
@@ -27,6 +33,10 @@ workload, frees it, then runs transformers. A machine that gets busier or quiete
 minutes then disturbs both alike; the report shows the median round of each, and the
 speedup is the median of the rounds' ratios. `--decode-batch B` adds the steady-state
 decode micro-benchmark of `bench_decode.py`.
+
+`--speculative ngram|draft` (with the other speculative-decoding options) runs every round
+twice, with speculation and without, and reports tokens per request per step, the
+acceptance rate, the mean accepted length and the speedup of the first over the second.
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
@@ -57,10 +67,10 @@ from bench_baseline import run_transformers
 from bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
 from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
-from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
 from nanoqwen.loader import resolve_model_path
 
-SCENARIOS = ("random", "shared-prefix", "multi-turn")
+SCENARIOS = ("random", "shared-prefix", "multi-turn", "copy")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -95,6 +105,7 @@ class Workload:
     max_output: int
     turns: int
     seed: int
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +132,7 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
     def output_len() -> int:
         return rng.randint(workload.min_output, workload.max_output)
 
-    if workload.scenario == "random":
+    if workload.scenario in ("random", "copy"):  # copy: see `continue_prompts`
         return [[Turn(tokens(input_len()), output_len())] for _ in range(workload.num_seqs)]
     if workload.scenario == "shared-prefix":
         prefix = tokens(workload.min_input)
@@ -134,6 +145,26 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
         num_turns = min(workload.turns, workload.num_seqs - first)
         sessions.append([Turn(tokens(input_len()), output_len()) for _ in range(num_turns)])
     return sessions
+
+
+def continue_prompts(engine: LLMEngine, sessions: Sequence[Session]) -> list[Session]:
+    """The copy scenario: each (one-turn) prompt's second half replaced by the model's own
+    greedy continuation of its first half."""
+    halves = [session[0].new_token_ids[: -(-len(session[0].new_token_ids) // 2)] for session in sessions]
+    lengths = [len(session[0].new_token_ids) - len(half) for session, half in zip(sessions, halves)]
+    ids = [
+        engine.add_request(half, SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
+        for half, length in zip(halves, lengths)
+        if length
+    ]
+    continued = {}
+    while engine.has_unfinished_requests():
+        continued.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    continuations = iter(continued[request_id] for request_id in ids)
+    return [
+        [Turn(half + (next(continuations) if length else []), session[0].output_len)]
+        for session, half, length in zip(sessions, halves, lengths)
+    ]
 
 
 def longest_request(sessions: Sequence[Session]) -> int:
@@ -173,14 +204,17 @@ class EngineRun:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    request_steps: int  # (request, step) pairs that gave the request tokens
+    speculation: dict[str, int]  # draft tokens proposed and accepted, verifications
 
 
 class SessionDriver:
     """Feeds conversations to the engine: first turns at once, each next turn on a finish."""
 
-    def __init__(self, engine: LLMEngine, sessions: Sequence[Session]) -> None:
+    def __init__(self, engine: LLMEngine, sessions: Sequence[Session], temperature: float) -> None:
         self.engine = engine
         self.sessions = sessions
+        self.temperature = temperature
         self.records: dict[str, RequestTiming] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
 
@@ -203,7 +237,11 @@ class SessionDriver:
     def _submit(self, session: int, turn: int, history: list[int]) -> None:
         spec = self.sessions[session][turn]
         prompt = history + spec.new_token_ids
-        params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+        # Sampled requests are seeded by their order, so every run draws the same way.
+        seed = len(self.records) if self.temperature > 0 else None
+        params = SamplingParams(
+            temperature=self.temperature, max_tokens=spec.output_len, ignore_eos=True, seed=seed
+        )
         request_id = self.engine.add_request(prompt, params)
         self.records[request_id] = RequestTiming(prompt, spec.output_len, time.perf_counter())
         self._position[request_id] = (session, turn)
@@ -213,6 +251,7 @@ def run_engine(
     engine: LLMEngine,
     timer: PhaseTimer,
     sessions: Sequence[Session],
+    temperature: float,
     progress: Progress,
     description: str,
 ) -> EngineRun:
@@ -222,8 +261,8 @@ def run_engine(
     timer.reset()
     before = engine.stats()
     task = progress.add_task(description, total=sum(len(s) for s in sessions), tok_s="")
-    driver = SessionDriver(engine, sessions)
-    peak_pages = steps = generated = 0
+    driver = SessionDriver(engine, sessions, temperature)
+    peak_pages = steps = generated = request_steps = 0
     start = time.perf_counter()
     driver.start()
     while engine.has_unfinished_requests():
@@ -233,6 +272,7 @@ def run_engine(
         for output in outputs:
             driver.record(output, now)
             generated += len(output.delta_token_ids)
+            request_steps += bool(output.delta_token_ids)
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
         peak_pages = max(peak_pages, engine.stats()["pages_used"])
@@ -248,6 +288,11 @@ def run_engine(
         prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
         prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
         preemptions=after["preemptions"] - before["preemptions"],
+        request_steps=request_steps,
+        speculation={
+            key: after[f"spec_{key}"] - before[f"spec_{key}"]
+            for key in ("proposed_tokens", "accepted_tokens", "verifications")
+        },
     )
 
 
@@ -309,7 +354,19 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "prefix_hit_rate": run.prefix_hit_tokens / max(run.prefix_query_tokens, 1),
         "preemptions": run.preemptions,
         "steps": run.steps,
+        "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
+        "speculation": speculation_figures(run.speculation),
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
+    }
+
+
+def speculation_figures(counts: dict[str, int]) -> Metrics:
+    proposed, accepted = counts["proposed_tokens"], counts["accepted_tokens"]
+    verifications = counts["verifications"]
+    return {
+        **counts,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": (accepted + verifications) / verifications if verifications else 0.0,
     }
 
 
@@ -375,6 +432,8 @@ def print_report(console: Console, result: Metrics) -> None:
     console.print(
         _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
     )
+    if "no_speculation" in result:
+        console.print(_speculation_table(result))
     console.print(_phase_table(result["nanoqwen"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
@@ -398,6 +457,29 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
     table.add_row("steps", str(engine["steps"]))
+    return table
+
+
+def _speculation_table(result: Metrics) -> Table:
+    settings = result["settings"]
+    title = f"Speculative decoding: {settings['speculative']}, {settings['num_speculative_tokens']} tokens"
+    table = Table(title=title)
+    table.add_column("metric")
+    for column in ("speculative", "plain"):
+        table.add_column(column, justify="right")
+    spec, plain = result["nanoqwen"], result["no_speculation"]
+    for label, key, fmt in (
+        ("output tok/s", "output_tok_s", "{:.1f}"),
+        ("wall time (s)", "wall_s", "{:.2f}"),
+        ("steps", "steps", "{}"),
+        ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
+    ):
+        table.add_row(label, fmt.format(spec[key]), fmt.format(plain[key]))
+    figures = spec["speculation"]
+    table.add_row("draft tokens proposed / accepted", f"{figures['proposed_tokens']} / {figures['accepted_tokens']}", "")
+    table.add_row("acceptance rate", f"{figures['acceptance_rate']:.1%}", "")
+    table.add_row("mean accepted length", f"{figures['mean_accepted_length']:.2f}", "")
+    table.add_row("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", "")
     return table
 
 
@@ -491,6 +573,8 @@ def engine_settings(engine: LLMEngine) -> Metrics:
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "speculative": config.speculative,
+        "num_speculative_tokens": config.num_speculative_tokens,
     }
 
 
@@ -512,18 +596,25 @@ def assemble_result(
     engine_rounds: list[Metrics],
     baseline_rounds: list[Metrics] | None,
     decode: Metrics | None,
+    plain_rounds: list[Metrics] | None = None,
 ) -> Metrics:
+    """The median rounds, and each comparison as the median of its rounds' ratios: a round's
+    runs are back to back, so a machine getting busier or quieter over the minutes
+    disturbs their ratio least."""
     result: Metrics = {"settings": settings, "nanoqwen": median_round(engine_rounds)}
     rounds: Metrics = {"nanoqwen": engine_rounds}
-    if baseline_rounds is not None:
-        result["transformers"] = median_round(baseline_rounds)
-        # A round's two runs are back to back: their ratio is the comparison that a
-        # machine getting busier or quieter over the minutes disturbs least.
-        result["speedup"] = statistics.median(
+    for name, others, ratio_name in (
+        ("transformers", baseline_rounds, "speedup"),
+        ("no_speculation", plain_rounds, "speculation_speedup"),
+    ):
+        if others is None:
+            continue
+        result[name] = median_round(others)
+        result[ratio_name] = statistics.median(
             ours["output_tok_s"] / theirs["output_tok_s"]
-            for ours, theirs in zip(engine_rounds, baseline_rounds, strict=True)
+            for ours, theirs in zip(engine_rounds, others, strict=True)
         )
-        rounds["transformers"] = baseline_rounds
+        rounds[name] = others
     if decode is not None:
         result["decode"] = decode
     result["rounds"] = rounds
@@ -548,6 +639,12 @@ def assemble_result(
 @click.option("--seed", default=0, help="Same seed, same prompts and lengths.")
 @click.option("--scenario", type=click.Choice(SCENARIOS), default="random")
 @click.option("--turns", default=4, help="Turns per conversation (multi-turn).")
+@click.option(
+    "--temperature",
+    default=0.0,
+    type=click.FloatRange(min=0),
+    help="Sampling temperature of every request (0: greedy); sampled requests are seeded.",
+)
 @click.option(
     "--compare",
     type=click.Choice(["hf"]),
@@ -591,6 +688,7 @@ def main(
     seed: int,
     scenario: str,
     turns: int,
+    temperature: float,
     compare: str | None,
     rounds: int,
     decode_batch: int | None,
@@ -600,7 +698,7 @@ def main(
 ) -> None:
     """Benchmark nanoqwen on a fixed synthetic workload, optionally against transformers."""
     workload = Workload(
-        scenario, num_seqs, min_input, max_input, min_output, max_output, turns, seed
+        scenario, num_seqs, min_input, max_input, min_output, max_output, turns, seed, temperature
     )
     check_workload(workload)
     if threads is not None:
@@ -616,7 +714,16 @@ def main(
         engine, timer = load_engine(model_dir, options)
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
+    if scenario == "copy":
+        with status_console.status("writing the copy prompts"):
+            sessions = continue_prompts(engine, sessions)
     check_fits(engine, sessions, decode_batch)
+    # With speculation, every round also runs without it, for comparison.
+    plain_options = (
+        {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
+        if engine.config.speculative
+        else None
+    )
     settings = {
         "model": model or f"random weights: {random_weights}",
         "model_dir": model_dir,
@@ -626,6 +733,7 @@ def main(
         **engine_settings(engine),
     }
     runs: list[EngineRun] = []
+    plain_runs: list[EngineRun] = []
     baseline_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
@@ -636,11 +744,20 @@ def main(
                 engine, timer = load_engine(model_dir, options)
             warm_up(engine, token_ids)
             description = f"nanoqwen, round {index + 1}"
-            runs.append(run_engine(engine, timer, sessions, progress, description))
+            runs.append(run_engine(engine, timer, sessions, temperature, progress, description))
             if decode_batch is not None and index == rounds - 1:
                 decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
             engine = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
+            if plain_options is not None:
+                plain, plain_timer = load_engine(model_dir, plain_options)
+                warm_up(plain, token_ids)
+                description = f"nanoqwen without speculation, round {index + 1}"
+                plain_runs.append(
+                    run_engine(plain, plain_timer, sessions, temperature, progress, description)
+                )
+                del plain
+                free_memory()
             if compare == "hf":
                 requests = [
                     (record.prompt_token_ids, record.output_len) for record in runs[0].records
@@ -648,7 +765,8 @@ def main(
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
     engine_rounds = [summarize_engine_run(run) for run in runs]
-    result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode)
+    plain_rounds = [summarize_engine_run(run) for run in plain_runs] or None
+    result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode, plain_rounds)
     print_report(console, result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))

@@ -63,10 +63,13 @@ ENGINE_OPTIONS = [
     click.option("--ngram-max", default=engine_default("ngram_max"), type=click.IntRange(min=1),
                  help="Longest n-gram --speculative ngram looks up (tried first)."),
 ]
+SPECULATIVE_OPTION_NAMES = (
+    "speculative", "num_speculative_tokens", "draft_model", "ngram_min", "ngram_max",
+)
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
-    "speculative", "num_speculative_tokens", "draft_model", "ngram_min", "ngram_max",
+    *SPECULATIVE_OPTION_NAMES,
 )
 
 

@@ -190,6 +190,45 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
     assert result["speedup"] == pytest.approx(sum(ratios) / 2)
 
 
+def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: str) -> None:
+    spec = workload("copy", min_input=20, min_output=8, max_output=16)
+    options = ["--speculative", "ngram", "--num-speculative-tokens", "3", "--rounds", "2"]
+    process = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec), *options)
+    result = json.loads(process.stdout_json)
+    assert "nanoqwen without speculation, round 2" in process.stderr
+    ours, plain = result["rounds"]["nanoqwen"], result["rounds"]["no_speculation"]
+    assert len(ours) == len(plain) == 2
+    for spec_round, plain_round in zip(ours, plain):
+        for key in ("requests", "input_tokens", "output_tokens"):
+            assert spec_round[key] == plain_round[key]
+        assert plain_round["tokens_per_request_step"] == 1.0
+        assert plain_round["speculation"]["proposed_tokens"] == 0
+        figures = spec_round["speculation"]
+        assert 0 < figures["accepted_tokens"] <= figures["proposed_tokens"]
+        assert figures["acceptance_rate"] == figures["accepted_tokens"] / figures["proposed_tokens"]
+        # Every accepted draft is a token that needed no step of its own.
+        assert spec_round["tokens_per_request_step"] > 1.0
+        assert spec_round["steps"] < plain_round["steps"]
+    ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, plain, strict=True)]
+    assert result["speculation_speedup"] == pytest.approx(sum(ratios) / 2)
+    assert result["settings"]["speculative"] == "ngram"
+
+
+def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> None:
+    llm = LLM(qwen3_dir, device="cpu")
+    sessions = bench.make_sessions(workload("copy", min_input=1, max_input=30), list(range(50, 700)))
+    copies = bench.continue_prompts(llm.engine, sessions)
+    for session, copy in zip(sessions, copies):
+        original, prompt = session[0].new_token_ids, copy[0].new_token_ids
+        half = -(-len(original) // 2)
+        assert len(prompt) == len(original) and prompt[:half] == original[:half]
+        if len(prompt) > half:
+            continuation = llm.generate([original[:half]], SamplingParams(
+                temperature=0, max_tokens=len(prompt) - half, ignore_eos=True))[0].token_ids
+            assert prompt[half:] == continuation
+        assert copy[0].output_len == session[0].output_len
+
+
 def test_help_is_dash_h() -> None:
     completed = subprocess.run([sys.executable, str(BENCH), "-h"], capture_output=True, text=True)
     assert completed.returncode == 0
