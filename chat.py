@@ -410,9 +410,10 @@ def sampling_settings(llm: LLM, options: dict[str, Any]) -> dict[str, Any]:
 def banner(llm: LLM, model: str, sampling: dict[str, Any], load_seconds: float) -> str:
     """What runs where, how much conversation the KV cache holds, and how replies sample."""
     config, stats = llm.engine.config, llm.stats()
+    dtype = str(config.dtype).removeprefix("torch.")
     settings = ", ".join(f"{name} {value}" for name, value in sampling.items())
     return (
-        f"[bold]{escape(model)}[/] on {config.device} ({str(config.dtype).removeprefix('torch.')}) · "
+        f"[bold]{escape(model)}[/] on {config.device} ({dtype}) · "
         f"{stats['pages_total'] * stats['page_size']:,} tokens of KV cache "
         f"({decimal(llm.engine.pool.kv.nbytes)}) · loaded in {load_seconds:.1f} s\n"
         f"[dim]sampling: {escape(settings)}[/]"
