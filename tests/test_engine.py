@@ -289,3 +289,12 @@ def test_cuda_without_cuda_is_a_clear_error(qwen3_dir: str) -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         LLM(qwen3_dir, device="cuda")
+
+
+def test_stats_report_the_kv_cache_size(qwen3_dir: str) -> None:
+    llm = LLM(qwen3_dir, device="cpu", num_pages=40, page_size=8)
+    config = llm.engine.model_config
+    stats = llm.stats()
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K+V, float32
+    assert stats["kv_cache_bytes"] == 40 * 8 * per_token
+    assert stats["pages_total"] == 39  # one page is the scratch page
