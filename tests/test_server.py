@@ -39,6 +39,8 @@ MESSAGES = [
     {"role": "user", "content": "the quick brown fox"},
 ]
 GREEDY = dict(temperature=0, max_tokens=12)
+MODEL = "tiny"  # the id the test servers serve under
+JSON = {"Content-Type": "application/json"}
 LONG_RUNNING = dict(max_tokens=1000, ignore_eos=True)  # with a slowed engine: seconds
 
 
@@ -47,7 +49,8 @@ LONG_RUNNING = dict(max_tokens=1000, ignore_eos=True)  # with a slowed engine: s
 def running_server(model: str, **options: Any) -> Iterator[OpenAIServer]:
     """A server on a free port, serving from a thread; on exit, no thread of it survives."""
     threads_before = threading.active_count()
-    server = make_server(model, "127.0.0.1", 0, **{**ENGINE_OPTIONS, **options})
+    options = {"served_model_name": MODEL, **ENGINE_OPTIONS, **options}
+    server = make_server(model, "127.0.0.1", 0, **options)
     serving = threading.Thread(target=server.serve_forever)
     serving.start()
     try:
@@ -91,7 +94,7 @@ def call(
     """One raw HTTP request: (status, headers, JSON body or text)."""
     connection = connect(server)
     payload = json.dumps(body).encode() if isinstance(body, dict) else body
-    connection.request(method, path, body=payload, headers=headers or {})
+    connection.request(method, path, body=payload, headers={**JSON, **(headers or {})})
     response = connection.getresponse()
     raw = response.read()
     connection.close()
@@ -102,7 +105,7 @@ def call(
 def open_stream(server: OpenAIServer, path: str, body: dict) -> http.client.HTTPResponse:
     """Start a streaming request; the server sends the headers once the engine has it."""
     connection = connect(server)
-    connection.request("POST", path, body=json.dumps({**body, "stream": True}))
+    connection.request("POST", path, body=json.dumps({**body, "stream": True}), headers=JSON)
     response = connection.getresponse()
     assert response.status == 200
     return response
@@ -169,7 +172,7 @@ def client(api_server: OpenAIServer) -> Iterator[openai.OpenAI]:
 def test_chat_matches_offline_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
 
-    response = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == expected.text
@@ -179,7 +182,7 @@ def test_chat_matches_offline_streamed_or_not(client: openai.OpenAI, offline: LL
     assert response.usage.total_tokens == response.usage.prompt_tokens + len(expected.token_ids)
 
     chunks = list(client.chat.completions.create(
-        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+        model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
     ))
     assert chunks[0].choices[0].delta.role == "assistant"
     content_chunks = [chunk for chunk in chunks if chunk.choices]
@@ -200,19 +203,19 @@ def test_completions_match_offline_streamed_or_not(client: openai.OpenAI, offlin
     prompt = "hello world, the lazy dog"
     expected = offline.generate(prompt, SamplingParams(**GREEDY))[0]
 
-    response = client.completions.create(model="m", prompt=prompt, **GREEDY)
+    response = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     assert response.object == "text_completion"
     assert response.choices[0].text == expected.text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.token_ids)
 
     chunks = list(client.completions.create(
-        model="m", prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
+        model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
     ))
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
-    by_ids = client.completions.create(model="m", prompt=expected.prompt_token_ids, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, **GREEDY)
     assert by_ids.choices[0].text == expected.text
 
 
@@ -220,13 +223,13 @@ def test_completions_with_a_list_of_prompts(client: openai.OpenAI, offline: LLM)
     prompts = ["hello world", "café naïve", "the quick brown fox jumps"]
     expected = offline.generate(prompts, SamplingParams(**GREEDY))
 
-    response = client.completions.create(model="m", prompt=prompts, **GREEDY)
+    response = client.completions.create(model=MODEL, prompt=prompts, **GREEDY)
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     assert [choice.text for choice in response.choices] == [out.text for out in expected]
     assert response.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in expected)
 
     streamed = ["", "", ""]
-    for chunk in client.completions.create(model="m", prompt=prompts, stream=True, **GREEDY):
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, stream=True, **GREEDY):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [out.text for out in expected]
@@ -234,7 +237,7 @@ def test_completions_with_a_list_of_prompts(client: openai.OpenAI, offline: LLM)
 
 def test_n_samples_count_the_prompt_once(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
-    response = client.chat.completions.create(model="m", messages=MESSAGES, n=3, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, **GREEDY)
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     assert {choice.message.content for choice in response.choices} == {expected.text}
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -244,16 +247,16 @@ def test_n_samples_count_the_prompt_once(client: openai.OpenAI, offline: LLM) ->
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         return client.completions.create(
-            model="m", prompt="hello", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12
+            model=MODEL, prompt="hello", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12
         ).choices[0].text
 
     assert sample() == sample()
 
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
-    full = client.completions.create(model="m", prompt="the lazy dog", **GREEDY).choices[0].text
+    full = client.completions.create(model=MODEL, prompt="the lazy dog", **GREEDY).choices[0].text
     stop = full[4:6]
-    cut = client.completions.create(model="m", prompt="the lazy dog", stop=[stop], **GREEDY)
+    cut = client.completions.create(model=MODEL, prompt="the lazy dog", stop=[stop], **GREEDY)
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
@@ -268,7 +271,7 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
     assert "/v1/chat/completions" in page and "AbortController" in page
 
     before = scrape(api_server)
-    response = client.completions.create(model="m", prompt="hello world", **GREEDY)
+    response = client.completions.create(model=MODEL, prompt="hello world", **GREEDY)
     after = scrape(api_server)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     assert delta["nanoqwen_prompt_tokens_total"] == response.usage.prompt_tokens
@@ -294,7 +297,7 @@ def test_concurrent_streams_match_offline(qwen3_dir: str) -> None:
 
     with running_server(qwen3_dir) as server, client_for(server) as client:
         def stream(prompt: str) -> str:
-            chunks = client.completions.create(model="m", prompt=prompt, stream=True, **params)
+            chunks = client.completions.create(model=MODEL, prompt=prompt, stream=True, **params)
             return "".join(chunk.choices[0].text for chunk in chunks)
 
         with ThreadPoolExecutor(max_workers=32) as pool:
@@ -314,7 +317,7 @@ def test_disconnected_client_gets_its_request_aborted(qwen3_dir: str, stream: bo
             open_stream(server, "/v1/completions", body).close()
         else:
             connection = connect(server)
-            connection.request("POST", "/v1/completions", body=json.dumps(body))
+            connection.request("POST", "/v1/completions", body=json.dumps(body), headers=JSON)
             wait_until(lambda: scrape(server)["nanoqwen_requests_running"] == 1)
             connection.close()
         wait_until(lambda: scrape(server)[ABORTS] == 1)
@@ -332,7 +335,7 @@ def test_request_timeout_aborts_stale_requests(qwen3_dir: str) -> None:
 
         with pytest.raises(openai.APIError, match="did not finish"):
             for _ in client.completions.create(
-                model="m", prompt="hi", stream=True, extra_body=LONG_RUNNING
+                model=MODEL, prompt="hi", stream=True, extra_body=LONG_RUNNING
             ):
                 pass
         wait_until(lambda: scrape(server)[ABORTS] == 2)
@@ -349,7 +352,7 @@ def test_full_queue_answers_429(qwen3_dir: str) -> None:
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert_error_shape(error)
         with client_for(server) as client, pytest.raises(openai.RateLimitError):
-            client.completions.create(model="m", prompt="hi", max_tokens=2)
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
         for response in streams:
             response.close()
@@ -375,7 +378,9 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int]] = [
     # (case, method, path, body, expected status)
     ("malformed json", "POST", "/v1/chat/completions", b"{not json", 400),
     ("body not an object", "POST", "/v1/completions", b"[1, 2]", 400),
-    ("missing messages", "POST", "/v1/chat/completions", {"model": "m"}, 400),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": MODEL}, 400),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404),
+    ("model not a string", "POST", "/v1/completions", {"model": 4, "prompt": "hi"}, 400),
     ("missing prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400),
     ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, 400),
     ("role missing", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
@@ -420,6 +425,7 @@ def test_bad_request_says_what_is_wrong(api_server: OpenAIServer) -> None:
 def test_announced_oversized_body_is_refused_unread(api_server: OpenAIServer) -> None:
     connection = connect(api_server)
     connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
     connection.putheader("Content-Length", str(10**9))
     connection.endheaders()  # and never send the gigabyte
     response = connection.getresponse()
@@ -431,6 +437,7 @@ def test_announced_oversized_body_is_refused_unread(api_server: OpenAIServer) ->
 def test_missing_content_length_is_refused(api_server: OpenAIServer) -> None:
     connection = connect(api_server)
     connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
     connection.endheaders()
     response = connection.getresponse()
     assert response.status == 411
@@ -449,7 +456,7 @@ def test_api_key_guards_the_api(qwen3_dir: str) -> None:
             with pytest.raises(openai.AuthenticationError):
                 client.models.list()
         with client_for(server, api_key="s3cret") as client:
-            assert client.completions.create(model="m", prompt="hi", **GREEDY).choices[0].text
+            assert client.completions.create(model=MODEL, prompt="hi", **GREEDY).choices[0].text
         assert call(server, "GET", "/health")[0] == 200  # probes need no key
 
 
@@ -489,7 +496,9 @@ def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
             port = match and int(match.group(1))
         base_url = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
-            reply = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+            [model] = client.models.list().data
+            assert model.id == Path(qwen3_dir).name  # a checkpoint is served by its name
+            reply = client.chat.completions.create(model=model.id, messages=MESSAGES, **GREEDY)
         assert reply.usage.completion_tokens > 0
 
         process.send_signal(signal.SIGINT)
