@@ -159,6 +159,7 @@ class HTTPHandler(BaseHTTPRequestHandler):
         )
         self.rfile = io.BufferedReader(self.reader)
         self.record = AccessRecord(self.client_address[0])
+        self.command = ""  # until a request line is parsed
         self.reply_headers: dict[str, str] = {}  # sent with every answer (CORS)
         self.headers_sent = False  # a stream or an early JSON status line is under way
         self.event_stream = False
@@ -311,6 +312,7 @@ class HTTPHandler(BaseHTTPRequestHandler):
 
     def _send_head(self, status: int, content_type: str, headers: dict[str, str]) -> None:
         self.connection.settimeout(WRITE_TIMEOUT_SECONDS)
+        self.request_version = self.protocol_version  # even an HTTP/0.9 request gets headers
         with client_writes():
             self.send_response(status)
             self.send_header("Content-Type", content_type)
