@@ -141,10 +141,11 @@ def assert_error_shape(body: Any) -> None:
     assert isinstance(error["type"], str)
 
 
-def raw_request(path: str, body: dict, headers: str = "Content-Type: application/json\r\n") -> bytes:
-    """A POST's bytes, written by hand (for what http.client won't do)."""
+def raw_request(path: str, body: dict) -> bytes:
+    """A JSON POST's bytes, written by hand (for what http.client won't do)."""
     payload = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.0\r\n{headers}Content-Length: {len(payload)}\r\n\r\n"
+    head = (f"POST {path} HTTP/1.0\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n")
     return head.encode() + payload
 
 
@@ -165,3 +166,18 @@ def sse_data(body: bytes) -> list[str]:
     """The `data:` payloads of an event stream, comments skipped."""
     events = body.decode().split("\n\n")
     return [event.removeprefix("data: ") for event in events if event.startswith("data: ")]
+
+
+def send_slowly(
+    connection: socket.socket, data: bytes, seconds_per_byte: float, stop: threading.Event
+) -> None:
+    """Send `data` a byte at a time until it is all sent, `stop` is set, or a write fails;
+    then close the connection."""
+    with connection:
+        for byte in data:
+            if stop.wait(seconds_per_byte):
+                return
+            try:
+                connection.sendall(bytes([byte]))
+            except OSError:
+                return

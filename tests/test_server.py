@@ -13,8 +13,10 @@ import importlib.util
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +28,7 @@ from click.testing import CliRunner
 from server_helpers import (
     ABORTS, ENGINE_OPTIONS, GREEDY, JSON, LONG_RUNNING, MESSAGES, MODEL, REPO_ROOT,
     assert_error_shape, call, client_for, connect, good_request_succeeds, no_pages_held,
-    open_stream, running_server, scrape, slow_down, wait_until,
+    open_stream, raw_request, running_server, scrape, send_slowly, slow_down, wait_until,
 )
 
 from nanoqwen import LLM, SamplingParams
@@ -358,16 +360,20 @@ def test_cli_help_documents_every_option() -> None:
         "--model", "--host", "--port", "--api-key", "--max-queue", "--request-timeout",
         "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
         "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
+        "--max-connections", "--allowed-origins", "--served-model-name",
     ):
         assert option in result.output
     assert "127.0.0.1" in result.output
 
 
-def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_cli_serves_and_stops_promptly_on_a_signal(qwen3_dir: str, signal_number: int) -> None:
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
     )
+    stop_trickling = threading.Event()
+    sender = None
     try:
         port = None
         log: list[str] = []
@@ -384,12 +390,22 @@ def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
             reply = client.chat.completions.create(model=model.id, messages=MESSAGES, **GREEDY)
         assert reply.usage.completion_tokens > 0
 
-        process.send_signal(signal.SIGINT)
-        rest = process.communicate(timeout=60)[1]
+        # A client sending its request a byte every 0.2 s must not keep the server up.
+        trickling = socket.create_connection(("127.0.0.1", port))
+        request = raw_request("/v1/completions", {"prompt": "x" * 200})
+        sender = threading.Thread(target=send_slowly,
+                                  args=(trickling, request, 0.2, stop_trickling))
+        sender.start()
+        process.send_signal(signal_number)
+        rest = process.communicate(timeout=15)[1]
         assert process.returncode == 0, rest
         assert re.search(r"POST /v1/chat/completions 200 chatcmpl-\S+ prompt_tokens=\d+", rest)
         assert "stopped" in rest
     finally:
+        stop_trickling.set()
+        if sender is not None:
+            sender.join()
         if process.poll() is None:
             process.kill()
             process.wait()
+

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from server_helpers import (
-    GREEDY, MODEL, assert_error_shape, call, client_for, raw_request, read_until_closed,
+    GREEDY, LONG_RUNNING, MODEL, assert_error_shape, call, client_for, raw_request, read_until_closed,
     running_server, slow_down, split_response, sse_data,
 )
 
@@ -85,8 +85,8 @@ def test_deep_nesting_is_a_bad_request(server: OpenAIServer) -> None:
 def test_an_error_after_the_stream_started_is_counted_as_itself(qwen3_dir: str) -> None:
     with running_server(qwen3_dir, request_timeout=0.3) as server:
         slow_down(server)
-        status, _, _ = call(server, "POST", "/v1/completions",
-                            {"prompt": "hi", "stream": True, "max_tokens": 1000, "ignore_eos": True})
+        body = {"prompt": "hi", "stream": True, **LONG_RUNNING}
+        status, _, _ = call(server, "POST", "/v1/completions", body)
         assert status == 200  # the status line went out with the first event
         page = call(server, "GET", "/metrics")[2]
         assert 'nanoqwen_http_requests_total{status="504"} 1.0' in page
@@ -166,7 +166,9 @@ def test_requests_name_the_served_model_or_none(server: OpenAIServer) -> None:
         404, "model_not_found", "model")
 
 
-def test_omitted_sampling_settings_come_from_the_model(server: OpenAIServer, qwen3_dir: str) -> None:
+def test_omitted_sampling_settings_come_from_the_model(
+    server: OpenAIServer, qwen3_dir: str
+) -> None:
     defaults = server.engine.tokenizer.sampling_defaults
     [model] = call(server, "GET", "/v1/models")[2]["data"]
     assert model["sampling_defaults"] == defaults

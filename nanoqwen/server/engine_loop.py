@@ -193,7 +193,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
             self._abort_now(list(self._routes))
-        except Exception as error:  # an engine in an unknown state is not trusted again
+        except Exception:  # an engine in an unknown state is not trusted again
             logger.exception("the engine failed; no more requests will be served")
             self._fail_everything()
 

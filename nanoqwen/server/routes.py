@@ -14,13 +14,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from nanoqwen.engine import RequestOutput
 from nanoqwen.metrics import CONTENT_TYPE
 from nanoqwen.server import protocol
 from nanoqwen.server.engine_loop import NotServing, QueueFull, RequestFailed, Submission
-from nanoqwen.server.plumbing import HTTPHandler, logger
+from nanoqwen.server.plumbing import HTTPHandler
 from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request
 from nanoqwen.server.responses import API, ChatAPI, CompletionsAPI, Reply
 
@@ -121,12 +121,12 @@ class OpenAIHandler(HTTPHandler):
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         prompts = protocol.parse_prompts(body)
-        options = protocol.parse_generation_options(
-            body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine
-        )
+        default_max_tokens = protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
+        options = protocol.parse_generation_options(body, default_max_tokens, engine)
+        # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
         self._generate(CompletionsAPI(), protocol.encode_prompts(engine, prompts, "prompt"), options)
 
-    ROUTES: ClassVar[dict[str, dict[str, Callable[[Handler], None]]]] = {
+    ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {
         "/": {"GET": chat_page},
         "/favicon.ico": {"GET": no_icon},
         "/health": {"GET": health},
