@@ -250,6 +250,9 @@ def test_shutdown_does_not_wait_for_slow_clients(qwen3_dir: str) -> None:
                                   args=(trickling, request, 0.1, stop_trickling))
         sender.start()
         try:
+            # Both connections are in the hands of their handler threads.
+            wait_until(lambda: sum("process_request" in thread.name
+                                   for thread in threading.enumerate()) == 2)
             stopping = threading.Thread(target=lambda: (server.shutdown(), server.server_close()))
             stopping.start()
             stopping.join(timeout=8)
