@@ -203,14 +203,14 @@ class HTTPHandler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard library's errors (400, 414, 431, 505) as OpenAI-shaped JSON."""
-        self._send_error(APIError(code, message or self.responses[code][0]))
+        self._send_error(APIError(int(code), message or self.responses[code][0]))
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         """Silenced: `handle` logs one line per request with more in it."""
 
     # ------------------------------------------------------------ reading
     def _read_head(self) -> bool:
-        """The request line and headers; False when there is nothing to answer or it's answered."""
+        """Read the request line and headers; False if there is nothing (more) to answer."""
         self.raw_requestline = self.rfile.readline(MAX_LINE_BYTES + 1)
         if not self.raw_requestline:
             return False
@@ -264,7 +264,6 @@ class HTTPHandler(BaseHTTPRequestHandler):
         self.unread_body = 0
         if len(raw) < length:
             raise ClientDisconnected
-        self.connection.settimeout(WRITE_TIMEOUT_SECONDS)  # from here on, only writes wait
         return protocol.parse_json_body(raw)
 
     def _discard_unread_body(self) -> None:

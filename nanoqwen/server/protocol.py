@@ -140,8 +140,10 @@ def parse_generation_options(
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    _check_limits(given, engine.model_config.vocab_size)
-    fields = {**engine.tokenizer.sampling_defaults, **given}
+    fields = {
+        **engine.tokenizer.sampling_defaults,
+        **within_limits(given, engine.model_config.vocab_size),
+    }
     try:
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens, **fields
@@ -154,11 +156,13 @@ def parse_generation_options(
     return GenerationOptions(samples, stream, include_usage)
 
 
-def _check_limits(fields: dict[str, Any], vocab_size: int) -> None:
-    """Bound what SamplingParams leaves open, so every value fits the sampler's tensors."""
+def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The request's sampling fields, bounded where SamplingParams leaves them open, so
+    every value fits the sampler's tensors: `top_k` clamped, absurd values a 400."""
     top_k = fields.get("top_k")
     if _is_int(top_k) and top_k > vocab_size:
-        fields["top_k"] = vocab_size  # as many as there are: the same as no top-k at all
+        # As many as there are: the same as no top-k at all.
+        fields = {**fields, "top_k": vocab_size}
     for name, (lowest, highest) in SAMPLING_LIMITS.items():
         value = fields.get(name)
         if _is_number(value) and not lowest <= value <= highest:
@@ -167,6 +171,7 @@ def _check_limits(fields: dict[str, Any], vocab_size: int) -> None:
     if isinstance(stop_ids, list) and any(_is_int(i) and i >= vocab_size for i in stop_ids):
         raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab_size}",
                           "stop_token_ids")
+    return fields
 
 
 def _named_parameter(message: str) -> str | None:
