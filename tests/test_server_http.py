@@ -16,7 +16,7 @@ from server_helpers import (
 )
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.server import OpenAIServer
+from nanoqwen.server import OpenAIServer, ServerSettings
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,12 @@ def test_allowed_origins_get_cors_answers(server: OpenAIServer) -> None:
     assert "content-type" in headers["Access-Control-Allow-Headers"].lower()
     status, headers, _ = call(server, "POST", "/v1/completions", {"prompt": "hi", **GREEDY}, origin)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://app.example"
+
+
+@pytest.mark.parametrize("origin", ["http://app.example/", "app.example", "ftp://app.example"])
+def test_allowed_origins_must_be_origins(origin: str) -> None:
+    with pytest.raises(ValueError, match="allowed_origins"):
+        ServerSettings(MODEL, allowed_origins=(origin,))
 
 
 def test_a_rebound_host_name_gets_nothing(server: OpenAIServer) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nanoqwen.engine import LLMEngine
 from nanoqwen.metrics import ServerMetrics
@@ -65,6 +66,12 @@ class ServerSettings:
         for name in ("max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for origin in self.allowed_origins:
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc
+                                  or parts.path or parts.query):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin such as "
+                                 "http://localhost:3000 (scheme, host, port; no path)")
 
 
 class OpenAIServer(ThreadingHTTPServer):
@@ -174,8 +181,10 @@ def make_server(
     bound but not yet serving: run `serve_forever()`, e.g. in a thread.
     """
     settings = ServerSettings(
-        served_model_name or served_model_id(model), api_key, max_queue, request_timeout,
-        max_body_bytes, max_connections, read_timeout, tuple(allowed_origins),
+        model_name=served_model_name or served_model_id(model), api_key=api_key,
+        max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+        max_connections=max_connections, read_timeout=read_timeout,
+        allowed_origins=tuple(allowed_origins),
     )
     engine = LLMEngine(model, **engine_options)
     return OpenAIServer((host, port), engine, settings)
