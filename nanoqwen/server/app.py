@@ -79,7 +79,7 @@ class OpenAIServer(ThreadingHTTPServer):
     what is in flight, stops the engine thread, closes the socket and ends every handler
     thread (see the module docstring)."""
 
-    daemon_threads = True  # never keep the process alive; server_close() joins them anyway
+    daemon_threads = False  # ThreadingMixIn tracks (and server_close joins) only these
     # The listen backlog. http.server's default of 5 makes a burst of clients wait for
     # (or, on a busy machine, fail) TCP retransmits before they are even accepted.
     request_queue_size = 1024
