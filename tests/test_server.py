@@ -366,8 +366,8 @@ def test_cli_help_documents_every_option() -> None:
     assert "127.0.0.1" in result.output
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
-def test_cli_serves_and_stops_promptly_on_a_signal(qwen3_dir: str, signal_number: int) -> None:
+def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
+    # SIGINT (Ctrl-C) takes the same path; one process start is enough.
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
@@ -397,7 +397,7 @@ def test_cli_serves_and_stops_promptly_on_a_signal(qwen3_dir: str, signal_number
         sender = threading.Thread(target=send_slowly,
                                   args=(trickling, request, 0.2, stop_trickling))
         sender.start()
-        process.send_signal(signal_number)
+        process.send_signal(signal.SIGTERM)
         rest = process.communicate(timeout=30)[1]
         assert process.returncode == 0, rest
         assert re.search(r"POST /v1/chat/completions 200 chatcmpl-\S+ prompt_tokens=\d+", rest)
