@@ -95,7 +95,8 @@ def fail_one_step(server: OpenAIServer) -> None:
         moved = [output.request_id for output in outputs if not output.finished]
         if moved and not failed.is_set():
             failed.set()
-            raise StepError(moved) from RuntimeError(SECRET)
+            finished = [output for output in outputs if output.finished]
+            raise StepError(moved, finished) from RuntimeError(SECRET)
         return outputs
 
     server.engine.step = failing_step

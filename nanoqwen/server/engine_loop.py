@@ -206,7 +206,7 @@ class EngineLoop:
             for request_id in error.request_ids:
                 self.engine.abort(request_id)  # frees its pages; its final output is moot
                 self._close_route(request_id, RequestFailed(request_id))
-            return
+            outputs = error.finished  # requests the step finished before it failed
         self._deliver(outputs)
 
     def _run_commands(self, block: bool) -> bool:
