@@ -116,7 +116,7 @@ def workloads(draw: st.DrawFn) -> dict:
     }
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads())
 def test_ngram_greedy_output_is_unchanged(model_dir: str, references: dict[str, LLM], workload: dict) -> None:
     expected = references[model_dir].generate(workload["prompts"], workload["params"])
@@ -158,7 +158,7 @@ def test_draft_model_greedy_output_is_unchanged(
     prompts = [shared + [7, 8], shared + [9], *random_prompts(VOCAB, [3, 70, 25], seed=6)]
     params = [greedy(24)] * len(prompts)
     engine = LLMEngine(
-        qwen3_dir, draft_model=draft_dir, num_speculative_tokens=3, num_pages=20, page_size=8,
+        qwen3_dir, draft_model=draft_dir, num_speculative_tokens=3, num_pages=24, page_size=8,
         chunk_size=16,
     )
     outputs = run(engine, prompts, params)
@@ -182,8 +182,11 @@ def kv_of(pool: KVPool, request: Request, num_tokens: int) -> torch.Tensor:
 def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: str) -> None:
     """After every step, the draft pool holds exactly the K/V the draft model computes
     for each request's accepted tokens from scratch, rollbacks included."""
-    engine = LLMEngine(qwen3_dir, draft_model=qwen2_dir, num_speculative_tokens=3, page_size=4, chunk_size=16)
-    fresh = LLMEngine(qwen2_dir, enable_prefix_cache=False, page_size=4)
+    engine = LLMEngine(
+        qwen3_dir, draft_model=qwen2_dir, num_speculative_tokens=3, page_size=4, chunk_size=16,
+        num_pages=64,
+    )
+    fresh = LLMEngine(qwen2_dir, enable_prefix_cache=False, page_size=4, num_pages=32)
     prompts = [repetitive_prompt([21, 22], 30), *random_prompts(VOCAB, [45, 9], seed=8)]
     for prompt in prompts:
         engine.add_request(prompt, greedy(20))
