@@ -69,6 +69,7 @@ from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
 from nanoqwen.loader import resolve_model_path
+from nanoqwen.speculative import SpeculationStats
 
 SCENARIOS = ("random", "shared-prefix", "multi-turn", "copy")
 # Figures both engines report: (label, key, format).
@@ -150,12 +151,13 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
 def continue_prompts(engine: LLMEngine, sessions: Sequence[Session]) -> list[Session]:
     """The copy scenario: each (one-turn) prompt's second half replaced by the model's own
     greedy continuation of its first half."""
-    halves = [session[0].new_token_ids[: -(-len(session[0].new_token_ids) // 2)] for session in sessions]
-    lengths = [len(session[0].new_token_ids) - len(half) for session, half in zip(sessions, halves)]
+    prompts = [session[0].new_token_ids for session in sessions]
+    halves = [prompt[: -(-len(prompt) // 2)] for prompt in prompts]
+    lengths = [len(prompt) - len(half) for prompt, half in zip(prompts, halves)]
     ids = [
-        engine.add_request(half, SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
-        for half, length in zip(halves, lengths)
-        if length
+        engine.add_request(half, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for half, n in zip(halves, lengths)
+        if n
     ]
     continued = {}
     while engine.has_unfinished_requests():
@@ -205,7 +207,7 @@ class EngineRun:
     prefix_hit_tokens: int
     preemptions: int
     request_steps: int  # (request, step) pairs that gave the request tokens
-    speculation: dict[str, int]  # draft tokens proposed and accepted, verifications
+    speculation: SpeculationStats
 
 
 class SessionDriver:
@@ -289,10 +291,10 @@ def run_engine(
         prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
         preemptions=after["preemptions"] - before["preemptions"],
         request_steps=request_steps,
-        speculation={
-            key: after[f"spec_{key}"] - before[f"spec_{key}"]
+        speculation=SpeculationStats(*(
+            after[f"spec_{key}"] - before[f"spec_{key}"]
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
-        },
+        )),
     )
 
 
@@ -355,19 +357,10 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "preemptions": run.preemptions,
         "steps": run.steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
-        "speculation": speculation_figures(run.speculation),
+        "speculation": run.speculation.as_dict(),
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
     }
 
-
-def speculation_figures(counts: dict[str, int]) -> Metrics:
-    proposed, accepted = counts["proposed_tokens"], counts["accepted_tokens"]
-    verifications = counts["verifications"]
-    return {
-        **counts,
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "mean_accepted_length": (accepted + verifications) / verifications if verifications else 0.0,
-    }
 
 
 def phase_breakdown(phase_seconds: dict[str, float], steps: int, wall_s: float) -> Metrics:
@@ -462,8 +455,8 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
 
 def _speculation_table(result: Metrics) -> Table:
     settings = result["settings"]
-    title = f"Speculative decoding: {settings['speculative']}, {settings['num_speculative_tokens']} tokens"
-    table = Table(title=title)
+    method, num_tokens = settings["speculative"], settings["num_speculative_tokens"]
+    table = Table(title=f"Speculative decoding: {method}, {num_tokens} tokens per request")
     table.add_column("metric")
     for column in ("speculative", "plain"):
         table.add_column(column, justify="right")
@@ -476,9 +469,10 @@ def _speculation_table(result: Metrics) -> Table:
     ):
         table.add_row(label, fmt.format(spec[key]), fmt.format(plain[key]))
     figures = spec["speculation"]
-    table.add_row("draft tokens proposed / accepted", f"{figures['proposed_tokens']} / {figures['accepted_tokens']}", "")
-    table.add_row("acceptance rate", f"{figures['acceptance_rate']:.1%}", "")
-    table.add_row("mean accepted length", f"{figures['mean_accepted_length']:.2f}", "")
+    proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
+    table.add_row("draft tokens proposed / accepted", proposed_accepted, "")
+    table.add_row("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", "")
+    table.add_row("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", "")
     table.add_row("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", "")
     return table
 

@@ -127,11 +127,15 @@ class EngineConfig:
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("speculative='draft' needs draft_model (a hub id or directory)")
         if self.speculative != "draft" and self.draft_model is not None:
-            raise ValueError(f"draft_model is only used with speculative='draft', not {self.speculative!r}")
+            raise ValueError(
+                f"draft_model is only used with speculative='draft', not {self.speculative!r}"
+            )
         for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
             _require_positive_int(name, getattr(self, name))
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
 
     @property
     def num_drafts_per_step(self) -> int:

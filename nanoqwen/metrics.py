@@ -126,20 +126,22 @@ def engine_families(stats: EngineStats) -> list[Metric]:
         CounterMetricFamily("nanoqwen_preemptions",
                             "Running requests preempted (pages released, recomputed later).",
                             value=stats["preemptions"]),
-        CounterMetricFamily("nanoqwen_spec_draft_tokens",
-                            "Speculative decoding: draft tokens proposed and verified.",
-                            value=stats["spec_proposed_tokens"]),
-        CounterMetricFamily("nanoqwen_spec_accepted_tokens",
-                            "Speculative decoding: draft tokens the target model accepted.",
-                            value=stats["spec_accepted_tokens"]),
-        CounterMetricFamily("nanoqwen_spec_verifications",
-                            "Speculative decoding: request-steps that verified draft tokens.",
-                            value=stats["spec_verifications"]),
-        GaugeMetricFamily("nanoqwen_spec_acceptance_rate",
-                          "Speculative decoding: accepted / proposed draft tokens, so far.",
-                          value=stats["spec_acceptance_rate"]),
-        GaugeMetricFamily("nanoqwen_spec_mean_accepted_length",
-                          "Speculative decoding: tokens per verification (accepted drafts "
-                          "plus the target's own), so far.",
-                          value=stats["spec_mean_accepted_length"]),
+        *(kind(name, f"Speculative decoding: {help}", value=stats[key])
+          for kind, name, help, key in SPECULATION_FAMILIES),
     ]
+
+
+# (kind, metric name, help, `stats()` key)
+SPECULATION_FAMILIES = (
+    (CounterMetricFamily, "nanoqwen_spec_draft_tokens", "draft tokens proposed and verified.",
+     "spec_proposed_tokens"),
+    (CounterMetricFamily, "nanoqwen_spec_accepted_tokens",
+     "draft tokens the target model accepted.", "spec_accepted_tokens"),
+    (CounterMetricFamily, "nanoqwen_spec_verifications",
+     "request-steps that verified draft tokens.", "spec_verifications"),
+    (GaugeMetricFamily, "nanoqwen_spec_acceptance_rate",
+     "accepted / proposed draft tokens, so far.", "spec_acceptance_rate"),
+    (GaugeMetricFamily, "nanoqwen_spec_mean_accepted_length",
+     "tokens per verification (accepted drafts plus the target's own), so far.",
+     "spec_mean_accepted_length"),
+)

@@ -96,7 +96,9 @@ class SpeculationStats:
 class Proposer:
     """Attaches draft tokens to a step's rows and settles them after verification."""
 
-    def __init__(self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int
+    ) -> None:
         self.scheduler = scheduler
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -196,7 +198,8 @@ def overlapping_copy(tokens: list[int], start: int, count: int) -> list[int]:
     the end (as in LZ77): a repeating pattern proposes its own next repeats."""
     copied: list[int] = []
     for position in range(start, start + count):
-        copied.append(tokens[position] if position < len(tokens) else copied[position - len(tokens)])
+        past_the_end = position - len(tokens)
+        copied.append(tokens[position] if past_the_end < 0 else copied[past_the_end])
     return copied
 
 
@@ -254,8 +257,8 @@ class DraftModelProposer(Proposer):
         for request, token_id, probs in zip(requests, tokens, q):
             request.draft_token_ids.append(token_id)
             if not request.params.is_greedy:
-                previous = request.draft_probs
-                request.draft_probs = probs[None] if previous is None else torch.cat([previous, probs[None]])
+                rows = [] if request.draft_probs is None else [request.draft_probs]
+                request.draft_probs = torch.cat([*rows, probs[None]])
 
 
 @dataclass(frozen=True)

@@ -70,30 +70,32 @@ def sample_with_drafts(
     `logits`: the accepted drafts, then one token of the target's own."""
     if not any(request.draft_token_ids for request in requests):
         return [[token_id] for token_id in sampler.sample(logits, requests)]
-    first_rows, num_rows = [], 0
+    blocks, num_rows = [], 0  # each request's rows
     for request in requests:
-        first_rows.append(num_rows)
-        num_rows += 1 + len(request.draft_token_ids)
+        blocks.append(range(num_rows, num_rows + 1 + len(request.draft_token_ids)))
+        num_rows = blocks[-1].stop
     if logits.shape[0] != num_rows:
         raise ValueError(f"expected {num_rows} rows of logits, got {logits.shape[0]}")
     new_tokens: list[list[int]] = [[] for _ in requests]
     for verify, greedy in ((_verify_greedy, True), (_verify_sampled, False)):
         chosen = [i for i, request in enumerate(requests) if request.params.is_greedy == greedy]
+        if not chosen:
+            continue
+        block = logits
         if len(chosen) < len(requests):
-            rows = [first_rows[i] + j for i in chosen for j in range(1 + len(requests[i].draft_token_ids))]
+            rows = [row for i in chosen for row in blocks[i]]
             block = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-        else:
-            block = logits
-        if chosen:
-            for i, tokens in zip(chosen, verify(sampler, block, [requests[i] for i in chosen])):
-                new_tokens[i] = tokens
+        for i, tokens in zip(chosen, verify(sampler, block, [requests[i] for i in chosen])):
+            new_tokens[i] = tokens
     return new_tokens
 
 
 def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
     """One `DraftRow` per row of each request's draft block, in order."""
     return [
-        DraftRow(request, i) for request in requests for i in range(1 + len(request.draft_token_ids))
+        DraftRow(request, i)
+        for request in requests
+        for i in range(1 + len(request.draft_token_ids))
     ]
 
 

@@ -202,10 +202,10 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
         for key in ("requests", "input_tokens", "output_tokens"):
             assert spec_round[key] == plain_round[key]
         assert plain_round["tokens_per_request_step"] == 1.0
-        assert plain_round["speculation"]["proposed_tokens"] == 0
+        assert plain_round["speculation"]["spec_proposed_tokens"] == 0
         figures = spec_round["speculation"]
-        assert 0 < figures["accepted_tokens"] <= figures["proposed_tokens"]
-        assert figures["acceptance_rate"] == figures["accepted_tokens"] / figures["proposed_tokens"]
+        proposed, accepted = figures["spec_proposed_tokens"], figures["spec_accepted_tokens"]
+        assert 0 < accepted <= proposed and figures["spec_acceptance_rate"] == accepted / proposed
         # Every accepted draft is a token that needed no step of its own.
         assert spec_round["tokens_per_request_step"] > 1.0
         assert spec_round["steps"] < plain_round["steps"]
@@ -216,7 +216,8 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
 
 def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> None:
     llm = LLM(qwen3_dir, device="cpu")
-    sessions = bench.make_sessions(workload("copy", min_input=1, max_input=30), list(range(50, 700)))
+    spec = workload("copy", min_input=1, max_input=30)
+    sessions = bench.make_sessions(spec, list(range(50, 700)))
     copies = bench.continue_prompts(llm.engine, sessions)
     for session, copy in zip(sessions, copies):
         original, prompt = session[0].new_token_ids, copy[0].new_token_ids

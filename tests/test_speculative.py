@@ -72,7 +72,9 @@ def repetitive_prompt(pattern: list[int], length: int) -> list[int]:
 @pytest.fixture(scope="module")
 def references(qwen2_dir: str, qwen3_dir: str) -> dict[str, LLM]:
     """No speculation, no cache, one big chunk: the plain way to compute everything."""
-    return {d: LLM(d, enable_prefix_cache=False, chunk_size=100_000) for d in (qwen2_dir, qwen3_dir)}
+    return {
+        d: LLM(d, enable_prefix_cache=False, chunk_size=100_000) for d in (qwen2_dir, qwen3_dir)
+    }
 
 
 # --------------------------------------------------------------------------- greedy output
@@ -99,7 +101,9 @@ def workloads(draw: st.DrawFn) -> dict:
     return {
         "prompts": prompts,
         "params": [
-            SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **draw(st.sampled_from(PENALTIES)))
+            SamplingParams(
+                temperature=0, max_tokens=m, ignore_eos=True, **draw(st.sampled_from(PENALTIES))
+            )
             for m in max_tokens
         ],
         "options": {
@@ -116,9 +120,13 @@ def workloads(draw: st.DrawFn) -> dict:
     }
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(workload=workloads())
-def test_ngram_greedy_output_is_unchanged(model_dir: str, references: dict[str, LLM], workload: dict) -> None:
+def test_ngram_greedy_output_is_unchanged(
+    model_dir: str, references: dict[str, LLM], workload: dict
+) -> None:
     expected = references[model_dir].generate(workload["prompts"], workload["params"])
     engine = LLMEngine(model_dir, speculative="ngram", **workload["options"])
     outputs = run(engine, workload["prompts"], workload["params"])
@@ -136,8 +144,8 @@ def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LL
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = engine.stats()
     assert stats["preemptions"] > 0
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-    assert stats["spec_acceptance_rate"] == stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"]
+    proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
+    assert 0 < accepted < proposed and stats["spec_acceptance_rate"] == accepted / proposed
     assert stats["spec_mean_accepted_length"] == pytest.approx(
         1 + stats["spec_accepted_tokens"] / stats["spec_verifications"]
     )
@@ -162,7 +170,8 @@ def test_draft_model_greedy_output_is_unchanged(
         chunk_size=16,
     )
     outputs = run(engine, prompts, params)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in references[qwen3_dir].generate(prompts, params)]
+    expected = references[qwen3_dir].generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["spec_proposed_tokens"] > 0
@@ -208,7 +217,8 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
             )
             fresh.abort("probe")
             checked += 1
-    assert checked > 10 and engine.stats()["spec_accepted_tokens"] < engine.stats()["spec_proposed_tokens"]
+    stats = engine.stats()
+    assert checked > 10 and stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 
 
 # --------------------------------------------------------------------------- stop conditions
@@ -228,7 +238,8 @@ def test_stops_apply_to_accepted_tokens_only(qwen3_dir: str, references: dict[st
         expected = references[qwen3_dir].generate([prompt], params)[0]
         deltas = list(llm.stream(prompt, params))
         final = deltas[-1]
-        assert (final.token_ids, final.finish_reason) == (expected.token_ids, expected.finish_reason)
+        assert final.token_ids == expected.token_ids
+        assert final.finish_reason == expected.finish_reason
         assert [t for d in deltas for t in d.delta_token_ids] == final.token_ids
         assert "".join(d.delta_text for d in deltas) == final.text == expected.text
     assert max(len(d.delta_token_ids) for d in deltas) > 1, "no step gave several tokens"
@@ -309,7 +320,8 @@ def chi_square_p_value(samples: list[int], expected: torch.Tensor) -> float:
     n = len(samples)
     assert all(expected[token] > 0 for token in counts), "a filtered-out token was emitted"
     support = (expected > 0).nonzero().flatten().tolist()
-    stat = sum((counts[t] - n * expected[t].item()) ** 2 / (n * expected[t].item()) for t in support)
+    means = {t: n * expected[t].item() for t in support}
+    stat = sum((counts[t] - mean) ** 2 / mean for t, mean in means.items())
     df = torch.tensor((len(support) - 1) / 2, dtype=torch.float64)
     return torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)).item()
 
@@ -352,8 +364,10 @@ def test_draft_model_drafts_keep_the_target_distribution() -> None:
     p = torch.softmax(TARGET_LOGITS, dim=-1)
     q = torch.softmax(torch.tensor([0.0, 1.0, 1.2, -1.0, 0.5, 0.3, 1.5, -0.5]), dim=-1)
     drafts = torch.multinomial(q.expand(TRIALS, -1), 2, replacement=True, generator=generator)
-    results = verify(TARGET_LOGITS.expand(3, -1), params, drafts.tolist(), probs=q.expand(TRIALS, 2, -1),
-                     count=TRIALS)
+    results = verify(
+        TARGET_LOGITS.expand(3, -1), params, drafts.tolist(), probs=q.expand(TRIALS, 2, -1),
+        count=TRIALS,
+    )
     firsts = [r[0] for r in results]
     assert chi_square_p_value(firsts, p) > P_VALUE_THRESHOLD
     assert chi_square_p_value(drafts[:, 0].tolist(), p) < 1e-6  # the drafts alone are not p
@@ -392,7 +406,8 @@ def test_ngram_index_matches_a_brute_force_search(tokens, cuts, min_n, extra, co
     index = NgramIndex(min_n, min_n + extra)
     for cut in sorted(cuts) + [len(tokens)]:
         prefix = tokens[:cut]
-        assert index.propose(prefix, count) == brute_force_lookup(prefix, count, min_n, min_n + extra)
+        expected = brute_force_lookup(prefix, count, min_n, min_n + extra)
+        assert index.propose(prefix, count) == expected
 
 
 def test_ngram_lookup_prefers_long_and_late_matches() -> None:
@@ -449,5 +464,6 @@ def test_cuda_speculation_matches_plain_decoding(qwen3_dir: str) -> None:
     plain = LLM(qwen3_dir, device="cuda", dtype="float32").generate(prompts, greedy(32))
     for options in (dict(speculative="ngram"), dict(draft_model=qwen3_dir)):
         llm = LLM(qwen3_dir, device="cuda", dtype="float32", **options)
-        assert [o.token_ids for o in llm.generate(prompts, greedy(32))] == [o.token_ids for o in plain]
+        outputs = llm.generate(prompts, greedy(32))
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
         assert llm.stats()["spec_accepted_tokens"] > 0
