@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nanoqwen.config import DTYPES, EngineConfig
+from nanoqwen.config import DTYPES, QUANTIZATION_MODES, EngineConfig
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
@@ -42,10 +42,13 @@ ENGINE_OPTIONS = [
                  help="Reuse the KV pages of prompt prefixes seen before."),
     click.option("--enforce-eager", is_flag=True, default=engine_default("enforce_eager"),
                  help="Run every step eagerly (no CUDA graphs)."),
+    click.option("--quantization", default=None, type=click.Choice(QUANTIZATION_MODES),
+                 help="Keep linear weights as int8 or int4 in memory (none: in --dtype). "
+                 "Default: as the checkpoint has them (GPTQ, AWQ, GGUF), else none."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
-    "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager",
+    "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "quantization",
 )
 
 

@@ -1,0 +1,42 @@
+"""Shared by the quantized-model tests: a wider tiny model, an engine with a weight
+quantization mode, and the greedy near-tie check against full precision."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from nanoqwen import LLM
+from nanoqwen.loader import load_model
+from oracle import hf_model
+from tiny_models import build_qwen2, build_qwen3
+
+# Every linear layer's input a multiple of 256, the k-quants' super-block, and of every int4
+# group size. head_dim 128 is also what transformers assumes for a Qwen3 GGUF file.
+WIDE_SHAPE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512)
+
+
+def build_wide(architecture: str, directory: Path) -> str:
+    if architecture == "qwen2":
+        return build_qwen2(directory, **WIDE_SHAPE)
+    return build_qwen3(directory, **{**WIDE_SHAPE, "head_dim": 128})
+
+
+def quantized_llm(path: str, quantization: str | None, **options) -> LLM:
+    """`LLM(path, quantization=...)`, with the mode handed to `load_model` whichever way the
+    engine builds its model."""
+    with mock.patch("nanoqwen.engine.load_model", functools.partial(load_model, quantization=quantization)):
+        return LLM(path, quantization=quantization, **options)
+
+
+@torch.no_grad()
+def largest_greedy_gap(model_dir: str, prompt: list[int], output_ids: list[int]) -> float:
+    """How far below the best logit the chosen tokens fall, at worst, under full-precision
+    transformers fed the same tokens: 0 when every token is its greedy choice, small when
+    the quantized model only broke near-ties differently."""
+    logits = hf_model(model_dir)(torch.tensor([prompt + output_ids])).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
+    return float((logits.max(-1).values - chosen).max())
