@@ -27,9 +27,9 @@ def build_wide(architecture: str, directory: Path) -> str:
 
 def quantized_llm(path: str, quantization: str | None, **options) -> LLM:
     """`LLM(path, quantization=...)`, with the mode handed to `load_model` whichever way the
-    engine builds its model."""
+    engine builds its model, and a KV pool just big enough for a few short requests."""
     with mock.patch("nanoqwen.engine.load_model", functools.partial(load_model, quantization=quantization)):
-        return LLM(path, quantization=quantization, **options)
+        return LLM(path, quantization=quantization, num_pages=64, **options)
 
 
 @torch.no_grad()

@@ -35,8 +35,10 @@ def wide_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {arch: build_wide(arch, tmp_path_factory.mktemp(arch)) for arch in ("qwen2", "qwen3")}
 
 
-@pytest.mark.parametrize("file_type", FILE_TYPES)
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "architecture, file_type",
+    [("qwen2", "F16"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K_M"), ("qwen3", "BF16"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K_M")],
+)
 def test_greedy_matches_transformers_gguf_loading(
     wide_dirs: dict[str, str], tmp_path: Path, architecture: str, file_type: str
 ) -> None:
@@ -55,7 +57,7 @@ def test_float32_file_runs_like_the_checkpoint_it_was_written_from(model_dir: st
              "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
     assert {k: getattr(ours, k) for k in shape} == {k: getattr(source, k) for k in shape}
     prompt = random_prompts(800, [30], seed=22)[0]
-    assert LLM(path).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
+    assert LLM(path, num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
 
 
 def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
@@ -63,7 +65,7 @@ def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
     model_dir = build_qwen3(tmp_path / "yarn", rope_parameters=rope, max_position_embeddings=64)
     path = write_gguf(model_dir, tmp_path / "yarn.gguf", all_of(F.F32))
     prompt = random_prompts(800, [90], seed=23)[0]
-    output = LLM(path, max_model_len=200).generate([prompt], greedy(8))[0]
+    output = LLM(path, max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
     assert output.token_ids == hf_greedy(model_dir, prompt, 8)
 
 
