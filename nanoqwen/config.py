@@ -1,6 +1,6 @@
 """Settings: what the engine is asked to do, and what shape the model has.
 
-Two small dataclasses keep every number the rest of the code needs in one place:
+A few small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
   memory, chunk size, caching, graphs) and validates them before anything is loaded,

@@ -76,7 +76,8 @@ def load_model(
     """Build the decoder on `device` in `dtype` and fill it from the checkpoint at `path`.
 
     `quantization` ("none", "int8", "int4", or None to follow the checkpoint) says how the
-    linear weights are kept in memory once loaded.
+    linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
+    memory peaks at the full-precision model before the quantized weights replace them.
     """
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
