@@ -151,7 +151,8 @@ class PackedWeights:
     @classmethod
     def from_hf(cls, quantization_config: dict[str, Any], source: str) -> PackedWeights:
         method = quantization_config.get("quant_method")
-        bits, group_size = quantization_config.get("bits"), quantization_config.get("group_size", 128)
+        bits = quantization_config.get("bits")
+        group_size = quantization_config.get("group_size", 128)
         allowed_bits = {"gptq": (4, 8), "awq": (4,)}
         if method not in allowed_bits:
             raise ValueError(
@@ -160,7 +161,8 @@ class PackedWeights:
             )
         if bits not in allowed_bits[method]:
             raise ValueError(f"{source}: {method} with {bits} bits is not supported")
-        if not isinstance(group_size, int) or not (group_size > 0 or (group_size == -1 and method == "gptq")):
+        whole_rows = group_size == -1 and method == "gptq"
+        if not isinstance(group_size, int) or not (group_size > 0 or whole_rows):
             raise ValueError(f"{source}: unsupported {method} group_size {group_size!r}")
         if method == "awq":
             version = str(quantization_config.get("version", "gemm")).lower()

@@ -48,7 +48,8 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
     try:
         hf = AutoConfig.from_pretrained(directory, gguf_file=name)
     except Exception as error:  # transformers raises many kinds on odd metadata
-        raise ValueError(f"{path}: could not read the model config from its metadata: {error}") from error
+        message = f"{path}: could not read the model config from its metadata: {error}"
+        raise ValueError(message) from error
     hf.architectures = [ARCHITECTURES[architecture][1]]
     # transformers leaves a Qwen3 file at Qwen3Config's default head_dim (128); the file says.
     key_length = metadata(reader, f"{architecture}.attention.key_length")
@@ -71,7 +72,8 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as error:  # transformers raises many kinds on odd metadata
-        raise ValueError(f"{path}: could not build the tokenizer from its metadata: {error}") from error
+        message = f"{path}: could not build the tokenizer from its metadata: {error}"
+        raise ValueError(message) from error
 
 
 def iter_gguf_tensors(
@@ -84,7 +86,8 @@ def iter_gguf_tensors(
     name, and under their GGUF name otherwise, for the loader to reject as unexpected.
     """
     reader = open_gguf(path)
-    tensor_names = gguf.get_tensor_name_map(ARCHITECTURES[gguf_architecture(reader, path)][0], num_layers)
+    gguf_arch = ARCHITECTURES[gguf_architecture(reader, path)][0]
+    tensor_names = gguf.get_tensor_name_map(gguf_arch, num_layers)
     by_gguf_name = {}
     for name in checkpoint_names:
         module, suffix = name.rsplit(".", 1)

@@ -106,7 +106,9 @@ def load_model(
     return model.eval()
 
 
-def runtime_quantization(quantization: str | None, config: ModelConfig) -> WeightQuantization | None:
+def runtime_quantization(
+    quantization: str | None, config: ModelConfig
+) -> WeightQuantization | None:
     """What `quantization` asks for: None follows the checkpoint, "none" keeps full weights."""
     if quantization is None:
         return config.quantization
@@ -133,7 +135,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def iter_checkpoint(model_dir: str, packed: PackedWeights | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    model_dir: str, packed: PackedWeights | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every safetensors shard, one tensor at a time; a GPTQ/AWQ
     layer's packed parts as one unpacked `weight`."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
@@ -148,7 +152,8 @@ def iter_checkpoint(model_dir: str, packed: PackedWeights | None) -> Iterator[tu
         # A layer's packed parts may sit in different shards: keep them all open.
         shard_of = {}
         for file in files:
-            shard = stack.enter_context(safe_open(os.path.join(model_dir, file), framework="pt", device="cpu"))
+            path = os.path.join(model_dir, file)
+            shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
             shard_of.update(dict.fromkeys(shard.keys(), shard))
 
         def read(name: str) -> torch.Tensor:

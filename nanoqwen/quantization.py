@@ -45,7 +45,8 @@ def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
     """Swap the weights of the decoder's linear layers for torchao's quantized tensors, in place."""
     linears = [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
     weight = linears[0].weight
-    config, reason = torchao_config(scheme, [linear.in_features for linear in linears], weight.device, weight.dtype)
+    in_features = [linear.in_features for linear in linears]
+    config, reason = torchao_config(scheme, in_features, weight.device, weight.dtype)
     if config is None:
         logger.warning("%s; keeping the linear weights in %s", reason, _dtype_name(weight.dtype))
         return
@@ -65,7 +66,8 @@ def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
     if failures:
         logger.warning(
             "%s weight-only quantization failed for %d of %d linear layers (%s); they keep %s "
-            "weights", scheme.mode, len(failures), len(linears), failures[0], _dtype_name(weight.dtype),
+            "weights",
+            scheme.mode, len(failures), len(linears), failures[0], _dtype_name(weight.dtype),
         )
 
 
@@ -85,7 +87,10 @@ def torchao_config(
         )
     group_size = int4_group_size(scheme.group_size, in_features)
     if group_size is None:
-        return None, f"no int4 group size of {INT4_GROUP_SIZES} divides every layer's inputs {sorted(set(in_features))}"
+        return None, (
+            f"no int4 group size of {INT4_GROUP_SIZES} divides every layer's inputs "
+            f"{sorted(set(in_features))}"
+        )
     if device.type == "cuda":
         return Int4WeightOnlyConfig(
             group_size=group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False

@@ -75,7 +75,8 @@ def write_gguf(
     _add_model_metadata(writer, config)
     _add_tokenizer_metadata(writer, model_dir, pre_tokenizer)
     rng = np.random.default_rng(seed)
-    names = gguf.get_tensor_name_map(ARCHITECTURES.get(arch_name, gguf.MODEL_ARCH.QWEN2), config["num_hidden_layers"])
+    tensor_arch = ARCHITECTURES.get(arch_name, gguf.MODEL_ARCH.QWEN2)
+    names = gguf.get_tensor_name_map(tensor_arch, config["num_hidden_layers"])
     for hf_name, weight in sorted(load_file(model_dir / "model.safetensors").items()):
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
@@ -95,7 +96,9 @@ def write_gguf(
     return str(path)
 
 
-def random_blocks(weight: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(
+    weight: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
     """Random blocks of `qtype`; for a k-quant, scaled to `weight`'s standard deviation."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = weight.shape
@@ -107,7 +110,8 @@ def random_blocks(weight: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.
     def set_scales(d: float) -> None:
         for offset, value in ((d_offset, d), (dmin_offset, d * dmin_ratio)):
             if offset is not None:
-                blocks[:, offset : offset + 2] = np.full((len(blocks), 1), value, np.float16).view(np.uint8)
+                scale = np.full((len(blocks), 1), value, np.float16)
+                blocks[:, offset : offset + 2] = scale.view(np.uint8)
 
     # Dequantized values are linear in the super-block scales: measure at 1, then rescale.
     set_scales(1.0)

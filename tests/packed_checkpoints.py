@@ -129,7 +129,9 @@ def _pack_awq(values: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
-def write_packed_checkpoint(model_dir: str, destination: Path, layout: Layout, seed: int = 0) -> tuple[str, str]:
+def write_packed_checkpoint(
+    model_dir: str, destination: Path, layout: Layout, seed: int = 0
+) -> tuple[str, str]:
     """Quantize the decoder's linear layers of `model_dir` into `layout`.
 
     Writes `destination/packed`, the GPTQ/AWQ checkpoint, and `destination/dequantized`,

@@ -84,8 +84,8 @@ def test_int4_checkpoint_stays_int4_in_memory(wide_dirs: dict[str, str], tmp_pat
     for layer in llm.engine.model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             # Half a byte per weight, plus a bfloat16 scale and zero per group of 128.
-            out_features, in_features = linear.weight.shape
-            assert tensor_bytes(linear.weight) == out_features * in_features // 2 + out_features * in_features // 128 * 4
+            weights = linear.weight.numel()
+            assert tensor_bytes(linear.weight) == weights // 2 + weights // 128 * 4
     prompts = random_prompts(800, [6, 45], seed=32)
     for prompt, output in zip(prompts, llm.generate(prompts, greedy(12))):
         # bfloat16 arithmetic may break near-ties differently from the float32 dequantized

@@ -51,15 +51,19 @@ def error_bound(weight: torch.Tensor, x: torch.Tensor, mode: str, group_size: in
 def test_every_linear_layer_is_within_its_quantization_error(model_dir: str, mode: str, dtype: torch.dtype) -> None:
     dense, quantized = load(model_dir, dtype, "none"), load(model_dir, dtype, mode)
     generator = torch.Generator().manual_seed(0)
+    group_size = int4_group_size(128, [layer.in_features for layer in decoder_linears(dense)])
     for reference, linear in zip(decoder_linears(dense), decoder_linears(quantized)):
         assert type(linear.weight) is not nn.Parameter  # a torchao tensor, not plain weights
-        group_size = int4_group_size(128, [layer.in_features for layer in decoder_linears(dense)])
         x = torch.randn(8, linear.in_features, generator=generator).to(dtype)
         with torch.inference_mode():
             exact = x.float() @ reference.weight.float().t()
-            error = (linear(x).float() - (exact + (0 if linear.bias is None else linear.bias.float()))).abs()
+            if linear.bias is not None:
+                exact += linear.bias.float()
+            error = (linear(x).float() - exact).abs()
         # bfloat16 outputs carry their own rounding, 2**-8 of their size.
-        slack = 2**-7 * (x.abs().float() @ reference.weight.abs().float().t()) if dtype == torch.bfloat16 else 1e-5
+        slack = 1e-5
+        if dtype == torch.bfloat16:
+            slack = 2**-7 * (x.abs().float() @ reference.weight.abs().float().t())
         assert torch.all(error <= error_bound(reference.weight, x, mode, group_size) + slack)
 
 
@@ -89,8 +93,10 @@ def test_weights_take_the_bytes_their_format_says(qwen3_dir: str) -> None:
             rows, columns = linear.weight.shape
             # The codes, plus per row a scale (and zero point) for int8, or a bfloat16
             # scale and zero per group of 64 (128 inputs: 2 groups) for int4.
-            assert rows * columns * bytes_per_weight <= tensor_bytes(linear.weight) <= rows * (columns * bytes_per_weight + overhead_per_row)
-        saved = sum(2 * linear.weight.numel() - tensor_bytes(linear.weight) for linear in decoder_linears(quantized))
+            codes = rows * columns * bytes_per_weight
+            assert codes <= tensor_bytes(linear.weight) <= codes + rows * overhead_per_row
+        linears = decoder_linears(quantized)
+        saved = sum(2 * linear.weight.numel() - tensor_bytes(linear.weight) for linear in linears)
         assert weight_memory_bytes(quantized) == weight_memory_bytes(dense) - saved
 
 
