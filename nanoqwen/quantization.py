@@ -16,7 +16,7 @@ checkpoints keep them. Kernels exist (torchao 0.18, torch 2.13) for
 
 * int8 on any device and dtype (the codes are converted to the dtype per matmul);
 * int4 in bfloat16 only: `_weight_int4pack_mm_for_cpu` on the CPU, tinygemm on CUDA.
-  The CPU kernel accepts float32 and float16 too, but runs them 10-80x slower than a
+  The CPU kernel accepts float32 and float16 too, but runs them 15-80x slower than a
   dense float32 matmul, so we treat it as missing there.
 
 Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
