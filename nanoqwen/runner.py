@@ -82,7 +82,9 @@ class ModelRunner:
         self.device: torch.device = config.device
         self.max_model_len = max_model_len
         self.draft_model_config = draft_model_config
-        self.model = load_model(checkpoint, model_config, config.dtype, self.device)
+        self.model = load_model(
+            checkpoint, model_config, config.dtype, self.device, quantization=config.quantization
+        )
         self.sampler = Sampler()
         # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
         self.backend_class = attention_backend_class(
