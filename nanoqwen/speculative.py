@@ -54,6 +54,7 @@ decode graphs, and so do the draft model's one-token passes, through its own run
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,8 @@ from nanoqwen.verification import DraftRow
 
 @dataclass
 class SpeculationStats:
+    """What speculation achieved so far, as `LLMEngine.stats()` reports it."""
+
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of them, the ones the target agreed with
     verifications: int = 0  # request-steps that verified at least one draft
@@ -93,7 +96,7 @@ class SpeculationStats:
         }
 
 
-class Proposer:
+class Proposer(ABC):
     """Attaches draft tokens to a step's rows and settles them after verification."""
 
     def __init__(
@@ -104,9 +107,9 @@ class Proposer:
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
+    @abstractmethod
     def propose(self, batch: ScheduledBatch) -> None:
         """Give rows of `batch` that reach their request's last token some draft tokens."""
-        raise NotImplementedError
 
     def wanted(self, batch: ScheduledBatch, index: int) -> int:
         """How many drafts row `index` may carry: none unless it reaches the request's last
@@ -135,7 +138,8 @@ class Proposer:
             self.stats.verifications += 1
             if request.status is Status.RUNNING:
                 self.scheduler.settle_drafts(request)
-            request.draft_token_ids, request.draft_probs = [], None
+            else:  # finished by one of its new tokens: its pages are released already
+                request.draft_token_ids, request.draft_probs = [], None
 
     def discard(self, batch: ScheduledBatch) -> None:
         """Forget the drafts of a step that failed before its tokens were appended."""

@@ -221,6 +221,18 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
     assert checked > 10 and stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 
 
+def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
+    qwen2_dir: str, qwen3_dir: str
+) -> None:
+    memory = 1 << 20
+    engine = LLMEngine(qwen3_dir, draft_model=qwen2_dir, kv_cache_memory=memory, page_size=8)
+    target, draft = engine.runner, engine.proposer.runner
+    page_bytes = [pool.kv[:, :, 0].nbytes for pool in (target.pool, draft.pool)]
+    assert draft.pool.num_pages == target.pool.num_pages == memory // sum(page_bytes) + 1
+    weights = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+    assert target._draft_weight_bytes() == weights  # what CUDA sizing sets aside for it
+
+
 # --------------------------------------------------------------------------- stop conditions
 def test_stops_apply_to_accepted_tokens_only(qwen3_dir: str, references: dict[str, LLM]) -> None:
     prompt = repetitive_prompt([31, 32, 33, 34], 30)
