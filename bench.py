@@ -35,7 +35,7 @@ speedup is the median of the rounds' ratios. `--decode-batch B` adds the steady-
 decode micro-benchmark of `bench_decode.py`.
 
 `--speculative ngram|draft` (with the other speculative-decoding options) runs every round
-twice, with speculation and without, and reports tokens per request per step, the
+twice, with speculation and without (which goes first alternates), and reports tokens per request per step, the
 acceptance rate, the mean accepted length and the speedup of the first over the second.
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
@@ -296,6 +296,24 @@ def run_engine(
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
         )),
     )
+
+
+def run_fresh_engine(
+    model_dir: str,
+    options: dict[str, Any],
+    token_ids: Sequence[int],
+    sessions: Sequence[Session],
+    temperature: float,
+    progress: Progress,
+    description: str,
+) -> EngineRun:
+    """Load an engine, warm it up, serve every session, and free it again."""
+    engine, timer = load_engine(model_dir, options)
+    warm_up(engine, token_ids)
+    run = run_engine(engine, timer, sessions, temperature, progress, description)
+    del engine
+    free_memory()
+    return run
 
 
 def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
@@ -734,6 +752,15 @@ def main(
         for index in range(rounds):
             # Each round has a fresh engine and a fresh transformers process, one after the
             # other, so a machine that gets busier or quieter affects both alike.
+            # Without speculation: after the run with it in even rounds, before it in odd
+            # ones, so that neither always gets the machine first.
+            plain_description = f"nanoqwen without speculation, round {index + 1}"
+            plain_first = plain_options is not None and index % 2 == 1
+            if plain_first:
+                plain_runs.append(run_fresh_engine(
+                    model_dir, plain_options, token_ids, sessions, temperature, progress,
+                    plain_description,
+                ))
             if engine is None:
                 engine, timer = load_engine(model_dir, options)
             warm_up(engine, token_ids)
@@ -743,15 +770,11 @@ def main(
                 decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
             engine = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
-            if plain_options is not None:
-                plain, plain_timer = load_engine(model_dir, plain_options)
-                warm_up(plain, token_ids)
-                description = f"nanoqwen without speculation, round {index + 1}"
-                plain_runs.append(
-                    run_engine(plain, plain_timer, sessions, temperature, progress, description)
-                )
-                del plain
-                free_memory()
+            if plain_options is not None and not plain_first:
+                plain_runs.append(run_fresh_engine(
+                    model_dir, plain_options, token_ids, sessions, temperature, progress,
+                    plain_description,
+                ))
             if compare == "hf":
                 requests = [
                     (record.prompt_token_ids, record.output_len) for record in runs[0].records

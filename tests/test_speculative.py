@@ -134,6 +134,24 @@ def test_ngram_greedy_output_is_unchanged(
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected]
 
 
+@settings(
+    max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(workload=workloads(), self_drafted=st.booleans())
+def test_draft_model_greedy_output_is_unchanged_for_any_workload(
+    model_dir: str, qwen2_dir: str, qwen3_dir: str, references: dict[str, LLM], workload: dict,
+    self_drafted: bool,
+) -> None:
+    """The same property with a draft model: itself (mostly accepted) or the other fixture
+    (mostly rejected, so rolled back)."""
+    other = qwen3_dir if model_dir == qwen2_dir else qwen2_dir
+    options = {k: v for k, v in workload["options"].items() if not k.startswith("ngram")}
+    engine = LLMEngine(model_dir, draft_model=model_dir if self_drafted else other, **options)
+    outputs = run(engine, workload["prompts"], workload["params"])
+    expected = references[model_dir].generate(workload["prompts"], workload["params"])
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
 def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LLM]) -> None:
     """The workload shape of the property test does accept, reject and preempt."""
     prompts = [repetitive_prompt([11, 12, 13], 40), *random_prompts(VOCAB, [30, 50, 7], seed=3)]
