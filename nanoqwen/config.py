@@ -3,7 +3,7 @@
 Two small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs) and validates them before anything is loaded,
+  memory, chunk size, caching, graphs, ranks) and validates them before anything is loaded,
   so a typo in a dtype fails in one clear line instead of deep inside a kernel.
 * `ModelConfig` is the model's shape, read from the checkpoint's `config.json` through
   transformers' `AutoConfig`. The decoder in `model.py` is built from it alone; the
@@ -82,11 +82,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
     attention_backend: str | None = None
+    # Ranks (GPUs, or CPU processes) the model is split across (`parallel.py`).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        for name in ("max_num_seqs", "page_size"):
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_pages", "chunk_size"):
             if getattr(self, name) is not None:

@@ -13,6 +13,10 @@ done, returning outputs in prompt order; `chat` renders conversations through th
 template first; `stream` yields one request's deltas as they are produced.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
+
+With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
+rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
+or the program's exit) stops them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Any
 
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
+from nanoqwen.distributed import Workers, launch
 from nanoqwen.loader import resolve_model_path
+from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
 from nanoqwen.runner import ModelRunner
@@ -73,9 +79,20 @@ class LLMEngine:
         self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
-        self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
-        self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        runner_args = (self.model_config, checkpoint, self.max_model_len)
+        tp, rank_config = SINGLE, self.config
+        self.workers: Workers | None = None
+        if self.config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+            # Under torchrun, only rank 0 returns from here.
+            tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
+        try:
+            self.tokenizer = Tokenizer(checkpoint)
+            self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
+        except BaseException:
+            self.shutdown()
+            raise
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
@@ -260,6 +277,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.cache.reset() if self.cache else 0
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
 
 class LLM:
     """Offline batch inference: `LLM(model).generate(prompts, params)`."""
@@ -329,6 +351,15 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

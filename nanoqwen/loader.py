@@ -10,6 +10,10 @@ maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj`
 row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
 don't know, or one of the wrong shape is an error naming that weight.
+
+With tensor parallelism each rank reads only its slice of each tensor
+(`iter_checkpoint_shard`): safetensors maps the file and copies just the rows or columns
+asked for, so no rank ever holds a full weight it does not keep.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from safetensors import safe_open
 
 from nanoqwen.config import ModelConfig
 from nanoqwen.model import QwenForCausalLM, RotaryEmbedding
+from nanoqwen.parallel import SINGLE, TensorParallel
 
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 # transformers name → (our fused parameter, index of its block).
@@ -53,25 +58,34 @@ def resolve_model_path(model: str) -> str:
         ) from error
 
 
-def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> QwenForCausalLM:
-    """Build the decoder on `device` in `dtype` and fill it from the checkpoint."""
+def load_model(
+    model_dir: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+) -> QwenForCausalLM:
+    """Build the decoder (this rank's part of it) on `device` in `dtype` and fill it from
+    the checkpoint."""
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
-        model = QwenForCausalLM(config)
+        model = QwenForCausalLM(config, tp)
     model.to_empty(device=device)
     model.tie_weights()  # allocation gave the tied pair two separate tensors
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
-    for name, tensor in iter_checkpoint(model_dir):
+    shard = tp.shard_config(config)  # the shapes this rank's parameters have
+    tensors = iter_checkpoint(model_dir) if tp.size == 1 else iter_checkpoint_shard(model_dir, config, tp)
+    for name, tensor in tensors:
         target, block = map_name(name, config)
         if target is None:
             continue
         if target not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint {model_dir}")
-        copy_block(params[target], tensor, block, config, name)
+        copy_block(params[target], tensor, block, shard, name)
         filled[target].add(block)
-    check_all_filled(filled, config, model_dir)
+    check_all_filled(filled, shard, model_dir)
     return model.eval()
 
 
@@ -87,6 +101,23 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every safetensors shard, one tensor at a time."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+def iter_checkpoint_shard(
+    model_dir: str, config: ModelConfig, tp: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, this rank's part of the tensor), reading only that part of the file."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, tp.read_shard(shard.get_slice(name), name, config)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -95,10 +126,7 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"no .safetensors weights found in {model_dir}")
-    for file in files:
-        with safe_open(os.path.join(model_dir, file), framework="pt", device="cpu") as shard:
-            for name in shard.keys():
-                yield name, shard.get_tensor(name)
+    return [os.path.join(model_dir, file) for file in files]
 
 
 def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:

@@ -14,6 +14,11 @@ The engine thinks in requests; the runner turns one step of them into tokens. It
 Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
 forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
 the next token of every request whose last token was computed.
+
+With tensor parallelism (`parallel.py`, `distributed.py`) every rank has a runner over
+its slice of the model and a pool of its heads. Rank 0's `forward` sends the step's
+inputs to the others before all of them run `forward_shard`; the logits come back to
+rank 0 alone, which samples.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.batch import PADDING_ROW_TOKEN_ID, ScheduledBatch, StepInputs, build_step_inputs
 from nanoqwen.config import EngineConfig, ModelConfig
 from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
+from nanoqwen.distributed import Workers
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.loader import load_model
+from nanoqwen.parallel import SINGLE, TensorParallel
 from nanoqwen.request import Request
 from nanoqwen.sampler import Sampler, SamplingParams
 
@@ -64,19 +71,28 @@ def attention_backend_class(
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, checkpoint: str, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        checkpoint: str,
+        max_model_len: int,
+        tp: TensorParallel = SINGLE,
+        workers: Workers | None = None,  # rank 0's handle on the other ranks
     ) -> None:
-        self.config, self.model_config = config, model_config
+        self.config, self.tp, self.workers = config, tp, workers
+        self.vocab_size = model_config.vocab_size
+        self.model_config = tp.shard_config(model_config)  # the heads this rank holds
         self.device: torch.device = config.device
         self.max_model_len = max_model_len
-        self.model = load_model(checkpoint, model_config, config.dtype, self.device)
+        self.model = load_model(checkpoint, model_config, config.dtype, self.device, tp)
         self.sampler = Sampler()
         # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
         self.backend_class = attention_backend_class(
             config.attention_backend, self.device, model_config.head_dim, config.dtype
         )
         self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
-        self.pool = self._make_pool(self.num_kv_pages())
+        # Every rank's pool has the same pages: as many as the tightest rank can hold.
+        self.pool = self._make_pool(tp.min_over_ranks(self.num_kv_pages()))
         self.backend = self._make_backend(self.pool)
         self.decode_graphs = (
             DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
@@ -93,14 +109,25 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bucket = self.decode_graphs.bucket_for(batch) if self.decode_graphs else None
-        return build_step_inputs(batch, self.pool.page_size, self.device, pad_to=bucket or 0)
+        # With other ranks, the inputs are laid out on the host, where they are sent from.
+        device = self.device if self.workers is None else torch.device("cpu")
+        return build_step_inputs(batch, self.pool.page_size, device, pad_to=bucket or 0)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows, `[S, vocab]`."""
+        if self.workers is None:
+            return self.forward_shard(inputs)
+        with self.workers.step():
+            return self.forward_shard(self.workers.broadcast(inputs, self.device))
+
+    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's part of the forward pass; the full logits on rank 0, None elsewhere."""
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
-            return self.decode_graphs.forward(inputs)
-        self.backend.plan(inputs.metadata)
-        return self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+            logits = self.decode_graphs.forward(inputs)
+        else:
+            self.backend.plan(inputs.metadata)
+            logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+        return self.tp.gather_logits(logits, self.vocab_size)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[int]:
         if not inputs.sampled_requests:
@@ -133,7 +160,8 @@ class ModelRunner:
     def _cpu_kv_memory(self) -> float:
         pages_per_sequence = -(-self.max_model_len // self.config.page_size)
         every_sequence_full = self.config.max_num_seqs * pages_per_sequence * self._page_bytes()
-        return min(CPU_KV_CACHE_FRACTION * self._available_memory(), every_sequence_full)
+        share = CPU_KV_CACHE_FRACTION / self.tp.size  # the ranks of a CPU share its memory
+        return min(share * self._available_memory(), every_sequence_full)
 
     def _cuda_kv_memory(self) -> float:
         """`gpu_memory_utilization` of the GPU, less what everything but the KV pool needs.
@@ -186,7 +214,9 @@ class ModelRunner:
         inputs = build_step_inputs(ScheduledBatch(requests, lengths), pool.page_size, self.device)
         backend.plan(inputs.metadata)
         logits = self.model(inputs.input_ids, inputs.metadata, backend, inputs.sample_rows)
-        self.sample(logits, inputs)
+        logits = self.tp.gather_logits(logits, self.vocab_size)
+        if logits is not None:  # rank 0 samples
+            self.sample(logits, inputs)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 

@@ -1,0 +1,369 @@
+"""Tensor parallelism on CPU processes (gloo): the same tokens as one device, and no
+process left behind, whatever happens to the ranks.
+
+Starting ranks costs seconds (each is a fresh Python importing torch), so the tests share
+engines: `engines` keeps one tensor-parallel engine alive at a time (torch.distributed
+allows one per process) and shuts it down before starting the next. The tests that do
+not care which model they split take whichever engine is alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from checkpoints import build_qwen2
+from nanoqwen import LLM, SamplingParams, StepError
+from nanoqwen.attention import AttentionMetadata
+from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
+from nanoqwen.config import ModelConfig
+from nanoqwen.distributed import WorkerFailure
+from nanoqwen.loader import load_model
+from nanoqwen.parallel import TensorParallel, check_tensor_parallel
+from nanoqwen.request import Request
+from nanoqwen.step_broadcast import METADATA_INTS, METADATA_TENSORS, STEP_TENSORS
+from oracle import greedy, random_prompts
+
+VOCAB = 800
+# Small pages, a small pool, small chunks and few sequences at a time: prefills are
+# chunked, requests are preempted, and later prompts find earlier ones in the cache.
+OPTIONS = dict(page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def helper_processes() -> set[int]:
+    """Our child processes, but for multiprocessing's resource tracker (it lives as long
+    as the test process, whatever the engines do)."""
+    return {
+        child.pid for child in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(child.cmdline())
+    }
+
+
+def assert_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"processes {alive} outlived their engine")
+
+
+class Engines:
+    """One live tensor-parallel engine at a time, reused by the tests that want it."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int] | None = None
+        self.llm: LLM | None = None
+
+    def get(self, model_dir: str, size: int) -> LLM:
+        """The engine splitting `model_dir` over `size` ranks."""
+        if self.key != (model_dir, size):
+            self.close()
+            self.llm = LLM(model_dir, tensor_parallel_size=size, **OPTIONS)
+            self.key = (model_dir, size)
+        return self.llm
+
+    def any(self, model_dir: str) -> LLM:
+        """The live engine, or else one splitting `model_dir` over two ranks."""
+        return self.llm if self.llm is not None else self.get(model_dir, 2)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            pids = self.llm.engine.workers.pids
+            self.llm.shutdown()
+            assert_gone(pids)
+            self.llm = self.key = None
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    engines = Engines()
+    yield engines
+    engines.close()
+    assert helper_processes() == set()
+
+
+@pytest.fixture(autouse=True)
+def no_stray_processes(engines: Engines) -> Iterator[None]:
+    """After every test, our only children are the live shared engine's workers."""
+    yield
+    shared = set(engines.llm.engine.workers.pids) if engines.llm is not None else set()
+    assert helper_processes() == shared
+
+
+@pytest.fixture(scope="module")
+def six_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Six query heads and one KV head, so three ranks share (replicate) the KV head; the
+    vocabulary (800) does not divide by three, so the last rank's rows are padded."""
+    return build_qwen2(
+        tmp_path_factory.mktemp("six-heads"), hidden_size=96, num_attention_heads=6,
+        num_key_value_heads=1, intermediate_size=192,
+    )
+
+
+# Module-scoped, so that pytest runs all the tests of one setup before the next.
+@pytest.fixture(scope="module", params=[("qwen2_dir", 2), ("qwen3_dir", 2), ("six_heads_dir", 3)],
+                ids=["qwen2-tp2", "qwen3-tp2", "six-heads-tp3"])
+def setup(request: pytest.FixtureRequest) -> tuple[str, int]:
+    name, size = request.param
+    return request.getfixturevalue(name), size
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prefix = random_prompts(VOCAB, [20], seed=40)[0]
+    prompts = [prefix + tail for tail in random_prompts(VOCAB, [3, 9, 14], seed=41)]
+    prompts += random_prompts(VOCAB, [37, 5, 26], seed=42) + [prefix + [1, 2, 3]]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(3)]
+    return prompts, [greedy(12)] * 4 + seeded
+
+
+def test_same_tokens_as_one_device(setup: tuple[str, int], engines: Engines) -> None:
+    model_dir, size = setup
+    prompts, params = workload()
+    single = LLM(model_dir, **OPTIONS)
+    expected = single.generate(prompts, params)
+    split = engines.get(model_dir, size)
+    outputs = split.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.num_cached_tokens for o in outputs] == [o.num_cached_tokens for o in expected]
+    stats = split.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0  # all in the mix
+    assert stats["pages_used"] == 0
+
+
+def test_first_step_logits_match_one_device(setup: tuple[str, int], engines: Engines) -> None:
+    model_dir, size = setup
+    prompts = random_prompts(VOCAB, [1, 5, 9], seed=43)  # one step: within chunk_size
+    expected = first_step_logits(LLM(model_dir, **OPTIONS), prompts)
+    logits = first_step_logits(engines.get(model_dir, size), prompts)
+    assert logits.shape == (len(prompts), VOCAB)
+    # The all-reduces add partial sums in another order than one matmul does.
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    engine = llm.engine
+    ids = [engine.add_request(prompt, greedy(1)) for prompt in prompts]
+    batch = engine.scheduler.schedule().batch
+    logits = engine.runner.forward(engine.runner.prepare(batch))
+    for request_id in ids:
+        engine.abort(request_id)
+    return logits
+
+
+def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
+    qwen2_dir: str, engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = engines.any(qwen2_dir)
+    prompts, params = workload()
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    forward_shard = runner.forward_shard
+
+    def interrupted(inputs: StepInputs) -> torch.Tensor | None:
+        os.kill(os.getpid(), signal.SIGINT)  # arrives before this rank's all-reduces
+        return forward_shard(inputs)
+
+    monkeypatch.setattr(runner, "forward_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    monkeypatch.undo()
+    assert llm.engine.workers.failure is None
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_a_killed_worker_fails_the_engine_within_seconds(
+    qwen2_dir: str, engines: Engines
+) -> None:
+    llm = engines.any(qwen2_dir)
+    pids = llm.engine.workers.pids
+    os.kill(pids[-1], signal.SIGKILL)
+    prompts, params = workload()
+    for _ in range(2):  # the step that meets the dead rank, and any step after it
+        start = time.monotonic()
+        with pytest.raises(StepError) as raised:
+            llm.generate(prompts, params)
+        assert time.monotonic() - start < 5
+        failure = raised.value.__cause__
+        assert isinstance(failure, WorkerFailure)
+        assert f"worker {len(pids)} (pid {pids[-1]}) was killed by SIGKILL" in str(failure)
+    assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
+    engines.close()  # any other worker is terminated too
+
+
+def test_three_ranks_cannot_split_four_heads(model_dir: str) -> None:
+    """Refused before any process starts (the autouse check sees no child)."""
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
+        LLM(model_dir, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize(("size", "shape", "message"), [
+    (4, {"num_heads": 8, "num_kv_heads": 6}, "the model's 6 key/value heads or be a multiple"),
+    (4, {"num_heads": 8, "num_kv_heads": 3}, "the model's 3 key/value heads or be a multiple"),
+    (2, {"intermediate_size": 129}, "intermediate_size=129"),
+])
+def test_shapes_that_do_not_split_are_named(
+    size: int, shape: dict, message: str, qwen2_dir: str
+) -> None:
+    config = dataclasses.replace(ModelConfig.from_pretrained(qwen2_dir), **shape)
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(config, size)
+
+
+@pytest.mark.parametrize(("model", "size"), [("qwen2_dir", 2), ("qwen3_dir", 4), ("six_heads_dir", 3)])
+def test_each_rank_reads_only_its_slice_of_the_checkpoint(
+    model: str, size: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading needs no other rank: every rank's weights, loaded alone, are the slices of
+    the full model's, and the loader reads nothing more than those slices."""
+    model_dir = request.getfixturevalue(model)
+    config = ModelConfig.from_pretrained(model_dir)
+    full = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr("nanoqwen.loader.safe_open", SliceOnlyFile)
+    for rank in range(size):
+        SliceOnlyFile.elements_read = 0
+        tp = TensorParallel(rank, size)
+        shard = load_model(model_dir, config, torch.float32, torch.device("cpu"), tp)
+        params = dict(shard.named_parameters())
+        for name, tensor in params.items():
+            torch.testing.assert_close(tensor, expected_slice(name, full, config, tp), rtol=0, atol=0)
+        start, rows = tp.vocab_shard(config.vocab_size)
+        padding = (rows - min(rows, config.vocab_size - start)) * config.hidden_size
+        tied = config.tie_word_embeddings
+        assert SliceOnlyFile.elements_read == sum(p.numel() for p in params.values()) - padding * (1 if tied else 2)
+
+
+class SliceOnlyFile:
+    """`safe_open` that lets a loader read slices only, and counts what they hold."""
+
+    elements_read = 0
+
+    def __init__(self, path: str, **options: str) -> None:
+        from safetensors import safe_open
+
+        self.file = safe_open(path, **options)
+
+    def __enter__(self) -> SliceOnlyFile:
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.file.__exit__(*exc_info)
+
+    def keys(self) -> list[str]:
+        return self.file.keys()
+
+    def get_slice(self, name: str) -> Callable:
+        source = self.file.get_slice(name)
+
+        class Counting:
+            def __getitem__(_, index: object) -> torch.Tensor:
+                tensor = source[index]
+                SliceOnlyFile.elements_read += tensor.numel()
+                return tensor
+
+        return Counting()
+
+
+def expected_slice(name: str, full: torch.nn.Module, config: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """Rank `tp.rank`'s part of the full model's parameter `name`, worked out from head
+    and channel numbers (not from the loader's code)."""
+    weight = dict(full.named_parameters())[name]
+    head_dim, size, rank = config.head_dim, tp.size, tp.rank
+    if "qkv_proj" in name:
+        q_heads = config.num_heads // size
+        kv_heads = max(1, config.num_kv_heads // size)
+        kv_first = rank * config.num_kv_heads // size
+        q, k, v = weight.split([config.num_heads * head_dim, *[config.num_kv_heads * head_dim] * 2])
+        return torch.cat([
+            q[rank * q_heads * head_dim:][: q_heads * head_dim],
+            k[kv_first * head_dim:][: kv_heads * head_dim],
+            v[kv_first * head_dim:][: kv_heads * head_dim],
+        ])
+    if "o_proj" in name:
+        width = config.num_heads // size * head_dim
+        return weight[:, rank * width:][:, :width]
+    if "gate_up_proj" in name:
+        gate, up = weight.chunk(2)
+        width = config.intermediate_size // size
+        return torch.cat([gate[rank * width:][:width], up[rank * width:][:width]])
+    if "down_proj" in name:
+        width = config.intermediate_size // size
+        return weight[:, rank * width:][:, :width]
+    if "embed_tokens" in name or "lm_head" in name:
+        rows = -(-config.vocab_size // size)
+        part = weight[rank * rows:][:rows]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+    return weight  # norms, Qwen3's q/k norms included, are the same on every rank
+
+
+def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> None:
+    """Every tensor of a step crosses to the other ranks; what stays on rank 0 is its
+    bookkeeping (which requests the rows are), never a tensor."""
+    request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
+    inputs = build_step_inputs(ScheduledBatch([request], [9]), 4, torch.device("cpu"), pad_to=2)
+    for field in StepInputs.__dataclass_fields__:
+        if field not in (*STEP_TENSORS, "metadata"):
+            assert not isinstance(getattr(inputs, field), torch.Tensor), field
+    host_copies = {f for f in AttentionMetadata.__dataclass_fields__ if f.endswith("_host")}
+    carried = set(METADATA_TENSORS) | set(METADATA_INTS) | host_copies
+    assert set(AttentionMetadata.__dataclass_fields__) == carried
+
+
+def test_sigterm_to_rank_zero_takes_the_workers_down(qwen2_dir: str) -> None:
+    script = (
+        "import sys, time\n"
+        "from nanoqwen import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(sys.argv[1], tensor_parallel_size=2, num_pages=16)\n"
+        "    print(*llm.engine.workers.pids, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    rank0 = subprocess.Popen([sys.executable, "-c", script, qwen2_dir], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO)
+    try:
+        workers = [int(pid) for pid in rank0.stdout.readline().split()]
+        assert len(workers) == 1 and psutil.pid_exists(workers[0])
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(timeout=10) == -signal.SIGTERM
+        assert_gone(workers, within=5)
+    finally:
+        rank0.kill()
+        rank0.wait()
+
+
+def test_torchrun_runs_the_same_script_on_every_rank(qwen3_dir: str, tmp_path: Path) -> None:
+    """env:// rendezvous: rank 0 generates, rank 1 serves inside `LLM(...)` and exits when
+    rank 0 does (here, at its exit, without an explicit shutdown)."""
+    result = tmp_path / "tokens.json"
+    script = tmp_path / "generate.py"
+    script.write_text(
+        "import json, sys\n"
+        "from nanoqwen import LLM\n"
+        "from oracle import greedy, random_prompts\n"
+        f"llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, **{OPTIONS!r})\n"
+        f"prompts = random_prompts({VOCAB}, [5, 30], seed=44)\n"
+        f"open({str(result)!r}, 'w').write(json.dumps([o.token_ids for o in llm.generate(prompts, greedy(8))]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = LLM(qwen3_dir, **OPTIONS).generate(random_prompts(VOCAB, [5, 30], seed=44), greedy(8))
+    assert json.loads(result.read_text()) == [o.token_ids for o in expected]
