@@ -3,8 +3,8 @@ process left behind, whatever happens to the ranks.
 
 Starting ranks costs seconds (each is a fresh Python importing torch), so the tests share
 engines: `engines` keeps one tensor-parallel engine alive at a time (torch.distributed
-allows one per process) and shuts it down before starting the next. The tests that do
-not care which model they split take whichever engine is alive.
+allows one per process) and shuts it down before starting the next; the last test of
+each setup kills a rank.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from torch.distributed.run import main as torchrun
 
 from checkpoints import build_qwen2
 from nanoqwen import LLM, SamplingParams, StepError
@@ -77,10 +78,6 @@ class Engines:
             self.key = (model_dir, size)
         return self.llm
 
-    def any(self, model_dir: str) -> LLM:
-        """The live engine, or else one splitting `model_dir` over two ranks."""
-        return self.llm if self.llm is not None else self.get(model_dir, 2)
-
     def close(self) -> None:
         if self.llm is not None:
             pids = self.llm.engine.workers.pids
@@ -123,6 +120,13 @@ def setup(request: pytest.FixtureRequest) -> tuple[str, int]:
     return request.getfixturevalue(name), size
 
 
+@pytest.fixture(scope="module")
+def one_device() -> Callable[[str], LLM]:
+    """The same settings on one device, one engine per model."""
+    llms: dict[str, LLM] = {}
+    return lambda model_dir: llms.setdefault(model_dir, LLM(model_dir, **OPTIONS))
+
+
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     prefix = random_prompts(VOCAB, [20], seed=40)[0]
     prompts = [prefix + tail for tail in random_prompts(VOCAB, [3, 9, 14], seed=41)]
@@ -132,11 +136,12 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, [greedy(12)] * 4 + seeded
 
 
-def test_same_tokens_as_one_device(setup: tuple[str, int], engines: Engines) -> None:
+def test_same_tokens_as_one_device(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
     model_dir, size = setup
     prompts, params = workload()
-    single = LLM(model_dir, **OPTIONS)
-    expected = single.generate(prompts, params)
+    expected = one_device(model_dir).generate(prompts, params)
     split = engines.get(model_dir, size)
     outputs = split.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
@@ -146,10 +151,12 @@ def test_same_tokens_as_one_device(setup: tuple[str, int], engines: Engines) -> 
     assert stats["pages_used"] == 0
 
 
-def test_first_step_logits_match_one_device(setup: tuple[str, int], engines: Engines) -> None:
+def test_first_step_logits_match_one_device(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
     model_dir, size = setup
     prompts = random_prompts(VOCAB, [1, 5, 9], seed=43)  # one step: within chunk_size
-    expected = first_step_logits(LLM(model_dir, **OPTIONS), prompts)
+    expected = first_step_logits(one_device(model_dir), prompts)
     logits = first_step_logits(engines.get(model_dir, size), prompts)
     assert logits.shape == (len(prompts), VOCAB)
     # The all-reduces add partial sums in another order than one matmul does.
@@ -167,9 +174,9 @@ def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
-    qwen2_dir: str, engines: Engines, monkeypatch: pytest.MonkeyPatch
+    setup: tuple[str, int], engines: Engines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm = engines.any(qwen2_dir)
+    llm = engines.get(*setup)
     prompts, params = workload()
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     runner = llm.engine.runner
@@ -187,14 +194,23 @@ def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
 
 
-def test_a_killed_worker_fails_the_engine_within_seconds(
-    qwen2_dir: str, engines: Engines
+def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
+    setup: tuple[str, int], engines: Engines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm = engines.any(qwen2_dir)
-    pids = llm.engine.workers.pids
-    os.kill(pids[-1], signal.SIGKILL)
+    """The last test of each setup: it ends the engine."""
+    llm = engines.get(*setup)
+    workers = llm.engine.workers
+    pids = workers.pids
+    runner = llm.engine.runner
+    forward_shard = runner.forward_shard
+
+    def killing(inputs: StepInputs) -> torch.Tensor | None:
+        os.kill(pids[-1], signal.SIGKILL)  # the other ranks are running this step too
+        return forward_shard(inputs)
+
+    monkeypatch.setattr(runner, "forward_shard", killing)
     prompts, params = workload()
-    for _ in range(2):  # the step that meets the dead rank, and any step after it
+    for _ in range(2):  # the step the rank dies in, and any step after it
         start = time.monotonic()
         with pytest.raises(StepError) as raised:
             llm.generate(prompts, params)
@@ -202,8 +218,12 @@ def test_a_killed_worker_fails_the_engine_within_seconds(
         failure = raised.value.__cause__
         assert isinstance(failure, WorkerFailure)
         assert f"worker {len(pids)} (pid {pids[-1]}) was killed by SIGKILL" in str(failure)
-    assert llm.stats()["running"] == 0 and llm.stats()["waiting"] == 0
-    engines.close()  # any other worker is terminated too
+    assert llm.stats()["running"] == llm.stats()["waiting"] == 0
+    # The other workers failed in the same step, or exit once rank 0's pipes close.
+    for pipe in workers.pipes:
+        pipe.close()
+    assert_gone(pids, within=5)
+    engines.close()
 
 
 def test_three_ranks_cannot_split_four_heads(model_dir: str) -> None:
@@ -347,23 +367,31 @@ def test_sigterm_to_rank_zero_takes_the_workers_down(qwen2_dir: str) -> None:
         rank0.wait()
 
 
-def test_torchrun_runs_the_same_script_on_every_rank(qwen3_dir: str, tmp_path: Path) -> None:
+def test_torchrun_runs_the_same_script_on_every_rank(
+    qwen3_dir: str, tmp_path: Path, one_device: Callable[[str], LLM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """env:// rendezvous: rank 0 generates, rank 1 serves inside `LLM(...)` and exits when
-    rank 0 does (here, at its exit, without an explicit shutdown)."""
+    rank 0 does (here, at its exit, without an explicit shutdown). torchrun's launcher
+    runs in this process, which spares starting one more interpreter."""
     result = tmp_path / "tokens.json"
     script = tmp_path / "generate.py"
     script.write_text(
-        "import json, sys\n"
+        "import json\n"
         "from nanoqwen import LLM\n"
         "from oracle import greedy, random_prompts\n"
         f"llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, **{OPTIONS!r})\n"
         f"prompts = random_prompts({VOCAB}, [5, 30], seed=44)\n"
-        f"open({str(result)!r}, 'w').write(json.dumps([o.token_ids for o in llm.generate(prompts, greedy(8))]))\n"
+        "outputs = llm.generate(prompts, greedy(8))\n"
+        f"open({str(result)!r}, 'w').write(json.dumps([o.token_ids for o in outputs]))\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(script)]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    expected = LLM(qwen3_dir, **OPTIONS).generate(random_prompts(VOCAB, [5, 30], seed=44), greedy(8))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{REPO / 'tests'}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun would set, here and for good
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        torchrun(["--standalone", "--nproc-per-node", "2", str(script)])
+    finally:
+        for sig, handler in handlers.items():  # the launcher installs its own
+            signal.signal(sig, handler)
+    expected = one_device(qwen3_dir).generate(random_prompts(VOCAB, [5, 30], seed=44), greedy(8))
     assert json.loads(result.read_text()) == [o.token_ids for o in expected]
