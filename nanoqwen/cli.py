@@ -49,10 +49,14 @@ ENGINE_OPTIONS = [
                  type=click.Choice([name for name in ATTENTION_BACKEND_NAMES if name]),
                  help="Attention implementation. Default: flashinfer on CUDA when it can run "
                       "the model, else torch; reference is the textbook one, for comparison."),
+    click.option("--tensor-parallel-size", "-tp", default=engine_default("tensor_parallel_size"),
+                 type=click.IntRange(min=1),
+                 help="Split the model across this many GPUs (or CPU processes)."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
+    "tensor_parallel_size",
 )
 
 

@@ -89,9 +89,11 @@ class Workers:
         group: dist.ProcessGroup,
         processes: list[BaseProcess] | None = None,
         pipes: list[Connection] | None = None,
+        cpu_threads: int | None = None,  # rank 0's torch threads before it shared the cores
     ) -> None:
         self.group = group
         self.processes, self.pipes = processes or [], pipes or []
+        self.cpu_threads = cpu_threads
         self.failure: str | None = None  # set once the ranks can no longer run steps
         self._died = threading.Event()
         self._closed = False
@@ -159,6 +161,8 @@ class Workers:
         if dist.is_initialized():
             with suppress(Exception):
                 dist.destroy_process_group()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
 
 
 def describe_exit(rank: int, process: BaseProcess, pipe: Connection) -> str:
@@ -235,9 +239,10 @@ def launch(
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return join_torchrun(config, make_runner, runner_args)
     check_devices(config.device, size)
-    threads = None
+    threads = cpu_threads = None
     if config.device.type == "cpu":  # the ranks share the cores
-        threads = max(1, torch.get_num_threads() // size)
+        cpu_threads = torch.get_num_threads()
+        threads = max(1, cpu_threads // size)
         torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                           timeout=STARTUP_TIMEOUT)
@@ -258,8 +263,10 @@ def launch(
         group = init_ranks(config.device, 0, size, store)
     except BaseException:
         stop_processes(processes)
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
         raise
-    return TensorParallel(0, size), config, Workers(group, processes, pipes)
+    return TensorParallel(0, size), config, Workers(group, processes, pipes, cpu_threads)
 
 
 def join_torchrun(
