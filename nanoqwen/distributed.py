@@ -52,6 +52,7 @@ from nanoqwen.step_broadcast import receive_step, send_step, send_stop, to_devic
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank stuck inside a step: the last resort
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step as long as it takes
 STARTUP_TIMEOUT = timedelta(minutes=5)
+NO_MORE_STEPS = "; the tensor-parallel ranks cannot run more steps"
 STOP_SECONDS = 5.0  # how long stopped workers get to exit before they are terminated
 # After a failed collective, how long to wait for the watcher to say which worker died.
 DEATH_NOTICE_SECONDS = 2.0
@@ -123,14 +124,22 @@ class Workers:
                 self._break("a step was interrupted on rank 0 while the other ranks ran it")
                 raise
             except Exception as error:
-                # Usually a collective that lost its peer: wait to hear which one.
-                self._died.wait(DEATH_NOTICE_SECONDS if self.processes else 0)
                 self._break(f"a step failed on rank 0 ({type(error).__name__}: {error})")
-                raise WorkerFailure(self.failure) from error
+                raise self.explain(error)
+
+    def explain(self, error: Exception) -> Exception:
+        """`error`, or if it was a collective that lost its peer, a `WorkerFailure` saying
+        which worker died. (gloo reports the lost peer before the watcher sees the exit.)"""
+        if isinstance(error, RuntimeError) and self.processes:
+            if self._died.wait(DEATH_NOTICE_SECONDS):
+                failure = WorkerFailure(self.failure)
+                failure.__cause__ = error
+                return failure
+        return error
 
     def _break(self, reason: str) -> None:
         if self.failure is None:
-            self.failure = f"{reason}; the tensor-parallel ranks cannot run more steps"
+            self.failure = reason + NO_MORE_STEPS
 
     def _watch(self) -> None:
         """Wait for any worker to exit; unless we are shutting down, that is a failure."""
@@ -140,7 +149,8 @@ class Workers:
             return
         process, pipe = self.processes[rank - 1], self.pipes[rank - 1]
         process.join()
-        self._break(describe_exit(rank, process, pipe))
+        # A death is the cause of whatever else failed: it replaces an earlier reason.
+        self.failure = describe_exit(rank, process, pipe) + NO_MORE_STEPS
         self._died.set()
         abort_nccl()
 
@@ -260,6 +270,7 @@ def launch(
             processes.append(process)
             pipes.append(ours)
         wait_for_workers(store, processes, pipes)
+        config = rank_config(config, 0)
         group = init_ranks(config.device, 0, size, store)
     except BaseException:
         stop_processes(processes)

@@ -92,9 +92,11 @@ class LLMEngine:
         try:
             self.tokenizer = Tokenizer(checkpoint)
             self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
-        except BaseException:
+        except BaseException as error:
+            if self.workers is not None and isinstance(error, Exception):
+                error = self.workers.explain(error)  # a worker that died starting up
             self.shutdown()
-            raise
+            raise error
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
@@ -265,7 +267,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.kv.nbytes,
+            "kv_cache_bytes": pool.kv.nbytes * self.config.tensor_parallel_size,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,
