@@ -84,7 +84,9 @@ class ModelRunner:
         self.model_config = tp.shard_config(model_config)  # the heads this rank holds
         self.device: torch.device = config.device
         self.max_model_len = max_model_len
-        self.model = load_model(checkpoint, model_config, config.dtype, self.device, tp)
+        self.model = load_model(
+            checkpoint, model_config, config.dtype, self.device, config.quantization, tp
+        )
         self.sampler = Sampler()
         # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
         self.backend_class = attention_backend_class(
