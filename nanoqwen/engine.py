@@ -29,7 +29,7 @@ from typing import Any
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
 from nanoqwen.distributed import Workers, launch
-from nanoqwen.loader import check_sliceable, resolve_model_path
+from nanoqwen.loader import check_splittable, resolve_model_path
 from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
@@ -87,7 +87,7 @@ class LLMEngine:
         self.workers: Workers | None = None
         if self.config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
-            check_sliceable(checkpoint, self.model_config)
+            check_splittable(checkpoint, self.model_config, self.config.quantization)
             # Under torchrun, only rank 0 returns from here.
             tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
         try:

@@ -19,7 +19,8 @@ weights as int8 or int4 again, with the kernels torchao has for them.
 With tensor parallelism each rank reads only its slice of each tensor
 (`iter_checkpoint_shard`): safetensors maps the file and copies just the rows or columns
 asked for, so no rank ever holds a full weight it does not keep. That needs plain
-safetensors tensors: GGUF blocks and GPTQ/AWQ packing do not slice that way.
+safetensors tensors, kept in the model's dtype: GGUF blocks and GPTQ/AWQ packing do not
+slice that way, and quantizing each rank's slices is not supported yet.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def load_model(
     filled: dict[str, set[int]] = {name: set() for name in params}
     shard = tp.shard_config(config)  # the shapes this rank's parameters have
     if tp.size > 1:
-        check_sliceable(path, config)
+        check_splittable(path, config, quantization)
         tensors = iter_checkpoint_shard(path, config, tp)
     elif is_gguf_file(path):
         tensors = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
@@ -178,14 +179,20 @@ def iter_checkpoint_shard(
                 yield name, tp.read_shard(shard.get_slice(name), name, config)
 
 
-def check_sliceable(path: str, config: ModelConfig) -> None:
-    """A ValueError unless each rank can read its slices straight from the checkpoint."""
+def check_splittable(path: str, config: ModelConfig, quantization: str | None) -> None:
+    """A ValueError unless the weights can be split across ranks: each rank reads its
+    slices of plain safetensors tensors and keeps them in the model's dtype."""
     if is_gguf_file(path) or config.packed_weights is not None:
         kind = "GGUF" if is_gguf_file(path) else config.packed_weights.method.upper()
         raise ValueError(
-            f"tensor parallelism reads each rank's slices of plain safetensors weights, "
-            f"which a {kind} checkpoint does not have ({path}); use tensor_parallel_size=1, "
-            "or a float checkpoint (quantization='int8' or 'int4' still applies)"
+            "tensor parallelism reads each rank's slices of plain safetensors weights, "
+            f"which a {kind} checkpoint does not have ({path}): use tensor_parallel_size=1 "
+            "or a checkpoint of float weights"
+        )
+    if quantization not in (None, "none"):
+        raise ValueError(
+            f"quantization={quantization!r} does not work with tensor parallelism yet: "
+            "use quantization='none' or tensor_parallel_size=1"
         )
 
 

@@ -13,8 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from torch.distributed.run import main as torchrun
 
 from checkpoints import build_qwen2
+from gguf_files import F, all_of, write_gguf
 from nanoqwen import LLM, SamplingParams, StepError
 from nanoqwen.attention import AttentionMetadata
 from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
@@ -35,6 +34,7 @@ from nanoqwen.parallel import TensorParallel, check_tensor_parallel
 from nanoqwen.request import Request
 from nanoqwen.step_broadcast import METADATA_INTS, METADATA_TENSORS, STEP_TENSORS
 from oracle import greedy, random_prompts
+from packed_checkpoints import Layout, write_packed_checkpoint
 
 VOCAB = 800
 # Small pages, a small pool, small chunks and few sequences at a time: prefills are
@@ -245,6 +245,25 @@ def test_shapes_that_do_not_split_are_named(
         check_tensor_parallel(config, size)
 
 
+@pytest.mark.parametrize("kind", ["gguf", "gptq", "int8 at run time"])
+def test_quantized_weights_are_refused_before_any_process_starts(
+    kind: str, qwen2_dir: str, tmp_path: Path
+) -> None:
+    """Ranks read slices of plain safetensors tensors: GGUF blocks and GPTQ packing do not
+    slice that way, and quantizing each rank's slices is not supported yet."""
+    options: dict = {}
+    if kind == "gguf":
+        model = write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.Q8_0))
+        message = "a GGUF checkpoint"
+    elif kind == "gptq":
+        model, _ = write_packed_checkpoint(qwen2_dir, tmp_path, Layout("gptq", 4, 32, symmetric=True))
+        message = "a GPTQ checkpoint"
+    else:
+        model, options, message = qwen2_dir, {"quantization": "int8"}, "quantization='int8'"
+    with pytest.raises(ValueError, match=message):
+        LLM(model, tensor_parallel_size=2, **options)
+
+
 @pytest.mark.parametrize(("model", "size"), [("qwen2_dir", 2), ("qwen3_dir", 4), ("six_heads_dir", 3)])
 def test_each_rank_reads_only_its_slice_of_the_checkpoint(
     model: str, size: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -258,7 +277,7 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(
     for rank in range(size):
         SliceOnlyFile.elements_read = 0
         tp = TensorParallel(rank, size)
-        shard = load_model(model_dir, config, torch.float32, torch.device("cpu"), tp)
+        shard = load_model(model_dir, config, torch.float32, torch.device("cpu"), tp=tp)
         params = dict(shard.named_parameters())
         for name, tensor in params.items():
             torch.testing.assert_close(tensor, expected_slice(name, full, config, tp), rtol=0, atol=0)
@@ -345,26 +364,21 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
     assert set(AttentionMetadata.__dataclass_fields__) == carried
 
 
-def test_sigterm_to_rank_zero_takes_the_workers_down(qwen2_dir: str) -> None:
-    script = (
-        "import sys, time\n"
-        "from nanoqwen import LLM\n"
-        "if __name__ == '__main__':\n"
-        "    llm = LLM(sys.argv[1], tensor_parallel_size=2, num_pages=16)\n"
-        "    print(*llm.engine.workers.pids, flush=True)\n"
-        "    time.sleep(600)\n"
-    )
-    rank0 = subprocess.Popen([sys.executable, "-c", script, qwen2_dir], stdout=subprocess.PIPE,
-                             text=True, cwd=REPO)
-    try:
-        workers = [int(pid) for pid in rank0.stdout.readline().split()]
-        assert len(workers) == 1 and psutil.pid_exists(workers[0])
-        rank0.send_signal(signal.SIGTERM)
-        assert rank0.wait(timeout=10) == -signal.SIGTERM
-        assert_gone(workers, within=5)
-    finally:
-        rank0.kill()
-        rank0.wait()
+def test_workers_exit_by_themselves_when_rank_zero_is_gone(qwen2_dir: str, engines: Engines) -> None:
+    """However rank 0 ends (SIGTERM, SIGKILL, a crash), its ends of the pipes close, and
+    that is all a worker needs to notice: here they close while rank 0 lives on."""
+    llm = engines.get(qwen2_dir, 2)
+    workers = llm.engine.workers
+    (worker,), (pipe,) = workers.processes, workers.pipes
+    pipe.close()
+    worker.join(timeout=5)
+    assert worker.exitcode == 1  # its own exit, not our terminate
+    start = time.monotonic()
+    with pytest.raises(StepError) as raised:
+        llm.generate(*workload())
+    assert time.monotonic() - start < 1
+    assert f"worker 1 (pid {worker.pid}) exited with code 1" in str(raised.value.__cause__)
+    engines.close()
 
 
 def test_torchrun_runs_the_same_script_on_every_rank(
