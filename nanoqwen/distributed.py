@@ -58,7 +58,6 @@ STOP_SECONDS = 5.0  # how long stopped workers get to exit before they are termi
 DEATH_NOTICE_SECONDS = 2.0
 
 
-
 class WorkerFailure(RuntimeError):
     """A tensor-parallel rank died, or the ranks fell out of step: the engine is done."""
 
@@ -121,10 +120,10 @@ class Workers:
             try:
                 yield
             except KeyboardInterrupt:
-                self._break("a step was interrupted on rank 0 while the other ranks ran it")
+                self.abandon("a step was interrupted on rank 0 while the other ranks ran it")
                 raise
             except Exception as error:
-                self._break(f"a step failed on rank 0 ({type(error).__name__}: {error})")
+                self.abandon(f"a step failed on rank 0 ({type(error).__name__}: {error})")
                 raise self.explain(error)
 
     def explain(self, error: Exception) -> Exception:
@@ -137,7 +136,9 @@ class Workers:
                 return failure
         return error
 
-    def _break(self, reason: str) -> None:
+    def abandon(self, reason: str) -> None:
+        """The ranks are out of step: later steps fail at once, and shutdown terminates the
+        workers instead of asking them to stop."""
         if self.failure is None:
             self.failure = reason + NO_MORE_STEPS
 
@@ -334,7 +335,9 @@ def exit_with_parent(parent: Connection) -> None:
     os._exit(1)
 
 
-def wait_for_workers(store: dist.TCPStore, processes: list[BaseProcess], pipes: list[Connection]) -> None:
+def wait_for_workers(
+    store: dist.TCPStore, processes: list[BaseProcess], pipes: list[Connection]
+) -> None:
     """Until every worker has started, checking that none died on the way."""
     keys = [f"nanoqwen-worker-{rank}" for rank in range(1, len(processes) + 1)]
     deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()

@@ -81,6 +81,7 @@ class LLMEngine:
         self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
+        self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
         runner_args = (self.model_config, checkpoint, self.max_model_len)
         tp, rank_config = SINGLE, self.config
@@ -91,11 +92,12 @@ class LLMEngine:
             # Under torchrun, only rank 0 returns from here.
             tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
         try:
-            self.tokenizer = Tokenizer(checkpoint)
             self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
         except BaseException as error:
-            if self.workers is not None and isinstance(error, Exception):
-                error = self.workers.explain(error)  # a worker that died starting up
+            if self.workers is not None:
+                if isinstance(error, Exception):
+                    error = self.workers.explain(error)  # a worker that died starting up
+                self.workers.abandon(f"rank 0 failed to start ({type(error).__name__})")
             self.shutdown()
             raise error
         self.pool = self.runner.pool
