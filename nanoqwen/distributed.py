@@ -38,7 +38,7 @@ from contextlib import contextmanager, suppress
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from nanoqwen.batch import StepInputs
 from nanoqwen.config import EngineConfig
 from nanoqwen.parallel import TensorParallel
-from nanoqwen.step_broadcast import receive_step, send_step, send_stop, to_device
+from nanoqwen.step_broadcast import ShardRunner, send_step, send_stop, serve_steps, to_device
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank stuck inside a step: the last resort
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step as long as it takes
@@ -62,22 +62,7 @@ class WorkerFailure(RuntimeError):
     """A tensor-parallel rank died, or the ranks fell out of step: the engine is done."""
 
 
-class ShardRunner(Protocol):
-    """What a worker serves steps with (`ModelRunner`)."""
-
-    device: torch.device
-
-    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None: ...
-
-
 RunnerFactory = Callable[..., ShardRunner]
-
-
-# --------------------------------------------------------------------------- workers
-def serve_steps(runner: ShardRunner, group: dist.ProcessGroup) -> None:
-    """A worker's life: run every step rank 0 sends, until it says stop."""
-    while (inputs := receive_step(group)) is not None:
-        runner.forward_shard(to_device(inputs, runner.device))
 
 
 # --------------------------------------------------------------------------- rank 0
@@ -96,6 +81,9 @@ class Workers:
         self.cpu_threads = cpu_threads
         self.failure: str | None = None  # set once the ranks can no longer run steps
         self._died = threading.Event()
+        # One step at a time on the group, and no stop in the middle of one (a server
+        # steps on its engine thread while the main thread may be exiting).
+        self._step_lock = threading.Lock()
         self._closed = False
         if self.processes:
             threading.Thread(target=self._watch, name="nanoqwen-tp-watch", daemon=True).start()
@@ -114,9 +102,9 @@ class Workers:
     def step(self) -> Iterator[None]:
         """Around one step on every rank: fail fast once broken, finish the step before
         Ctrl-C, and treat any error inside as the end of the ranks' lockstep."""
-        if self.failure is not None:
-            raise WorkerFailure(self.failure)
-        with deferred_interrupt():
+        with self._step_lock, deferred_interrupt():
+            if self.failure is not None:
+                raise WorkerFailure(self.failure)
             try:
                 yield
             except KeyboardInterrupt:
@@ -161,6 +149,17 @@ class Workers:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        between_steps = self._step_lock.acquire(timeout=STOP_SECONDS)
+        if not between_steps:
+            self.abandon("shut down in the middle of a step")
+        try:
+            self._stop()
+        finally:
+            self.abandon("the engine was shut down")  # so that a later step fails at once
+            if between_steps:
+                self._step_lock.release()
+
+    def _stop(self) -> None:
         in_lockstep = self.failure is None
         if in_lockstep:
             with suppress(Exception):  # a worker that is gone already is terminated below

@@ -8,13 +8,16 @@ each step is what the model and the attention backends read, the tensors of
   and the page table's two host-side sizes;
 * one payload, every tensor back to back as int64, cut apart again on arrival.
 
-A worker waits for the header between steps, which is why it travels on a group whose
-timeout is practically infinite (`distributed.py`).
+A worker's whole life is `serve_steps`: wait for a header, take the payload, run its
+part of the forward pass, again until rank 0 says stop. It may wait for a header for
+hours, which is why the steps travel on a group whose timeout is practically infinite
+(`distributed.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -89,3 +92,17 @@ def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     )
     moved = {name: getattr(inputs, name).to(device) for name in STEP_TENSORS}
     return dataclasses.replace(inputs, metadata=metadata, **moved)
+
+
+class ShardRunner(Protocol):
+    """What a worker runs the steps with (`ModelRunner`)."""
+
+    device: torch.device
+
+    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None: ...
+
+
+def serve_steps(runner: ShardRunner, group: dist.ProcessGroup) -> None:
+    """A worker's life: run every step rank 0 sends, until it says stop."""
+    while (inputs := receive_step(group)) is not None:
+        runner.forward_shard(to_device(inputs, runner.device))

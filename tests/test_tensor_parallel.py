@@ -42,7 +42,8 @@ from packed_checkpoints import Layout, write_packed_checkpoint
 VOCAB = 800
 # Small pages, a small pool, small chunks and few sequences at a time: prefills are
 # chunked, requests are preempted, and later prompts find earlier ones in the cache.
-OPTIONS = dict(page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3)
+# Decode steps are padded to buckets through the CUDA-graph runner's buffers, as on a GPU.
+OPTIONS = dict(page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4])
 REPO = Path(__file__).resolve().parents[1]
 
 
