@@ -18,6 +18,7 @@ object that made it, so tests can check the order of calls across wrappers and e
 
 from __future__ import annotations
 
+import sys
 import types
 from types import SimpleNamespace
 
@@ -137,7 +138,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Log:
     module = types.ModuleType("flashinfer")
     module.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **k: FakePrefillWrapper(log, *a, **k)
     module.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: FakeDecodeWrapper(log, *a, **k)
-    monkeypatch.setitem(__import__("sys").modules, "flashinfer", module)
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     # A CPU "workspace" needs no 256 MiB.
     monkeypatch.setattr("nanoqwen.attention_flashinfer.FLASHINFER_WORKSPACE_BYTES", 1024)
