@@ -7,9 +7,12 @@ be known before the pool exists. Beyond the weights, it comes in three kinds:
   workspace, and a decode wrapper per CUDA-graph bucket) and the graph runner's static
   inputs and logits;
 * **a step's activations**, allocated and freed by every step. The profiled step is one
-  no schedule exceeds: `max_num_seqs` decodes plus a full prefill chunk, every one of them
-  at `max_model_len`, all sampled with every sampling option on. Long contexts matter: the
-  torch backend gathers each decode's keys into a workspace, padded to the longest one;
+  no schedule exceeds in requests, tokens or context: `max_num_seqs` decodes plus a full
+  prefill chunk, every one of them at `max_model_len`, all sampled with every sampling
+  option on. Long contexts matter: the torch backend gathers each decode's keys into a
+  workspace, padded to the longest one. (It pads prefills to the longest one too, so a
+  chunk shared by one long prompt and many short ones can need more than one whole
+  chunk does; flashinfer's memory does not depend on how a step is split.)
 * **the graph pool**, where the captured CUDA graphs keep the temporaries of the largest
   bucket's decode step for good.
 
