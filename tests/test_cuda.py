@@ -7,12 +7,13 @@ decides on the host is checked on the CPU in `test_cuda_host.py` and `test_kv_si
 
 import gc
 import logging
-import threading
 
 import pytest
 import torch
 
-from cuda_helpers import build_model_64, model_64, needs_cuda, random_step  # noqa: F401
+from cuda_helpers import (  # noqa: F401 (fixtures)
+    DECODE, MIXED, build_model_64, empty_gpu, greedy_outputs, model_64, needs_cuda, random_step,
+)
 from nanoqwen import LLMEngine
 from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.kv_pool import KVPool
@@ -25,18 +26,7 @@ CUDA = torch.device("cuda")
 # handles, the sampler's host copies): room the checks below allow past the budget.
 SLACK = 512 << 20
 
-# (cached tokens, new tokens) per request.
-DECODE = [(0, 1), (15, 1), (16, 1), (200, 1), (47, 1)]
-MIXED = [(40, 1), (0, 25), (100, 1), (17, 9)]
-
-
-@pytest.fixture(autouse=True)
-def empty_gpu():
-    """Each test measures the GPU as the last one left it: give memory back between them."""
-    yield
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("empty_gpu")
 
 
 def pool_bytes(engine: LLMEngine) -> int:
@@ -113,18 +103,8 @@ def test_an_engine_on_cuda_0_steps_from_another_thread(model_64: str) -> None:
     engine = LLMEngine(model_64, device="cuda:0", attention_backend="torch", num_pages=256)
     assert engine.runner.device == torch.device("cuda", 0)
     prompts = random_prompts(VOCAB, [7, 30, 64], seed=7)
-    results = {}
-
-    def generate(name: str) -> None:
-        ids = [engine.add_request(prompt, greedy(10)) for prompt in prompts]
-        final = run_to_completion(engine)
-        results[name] = [final[i].token_ids for i in ids]
-
-    thread = threading.Thread(target=generate, args=("thread",))
-    thread.start()
-    thread.join()
-    generate("main")
-    assert results["thread"] == results["main"]
+    in_thread = greedy_outputs(engine, prompts, 10, in_thread=True)
+    assert in_thread == greedy_outputs(engine, prompts, 10)
 
 
 @needs_cuda
@@ -135,15 +115,6 @@ def test_an_engine_on_the_second_gpu_leaves_the_first_alone(model_64: str) -> No
     assert engine.pool.kv.device == torch.device("cuda", 1)
     torch.cuda.synchronize(0)
     on_first = torch.cuda.memory_allocated(0)
-    outputs: list[list[int]] = []
-
-    def generate() -> None:
-        ids = [engine.add_request(p, greedy(10)) for p in random_prompts(VOCAB, [9, 40], seed=8)]
-        final = run_to_completion(engine)
-        outputs.extend(final[i].token_ids for i in ids)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
-    thread.join()
+    outputs = greedy_outputs(engine, random_prompts(VOCAB, [9, 40], seed=8), 10, in_thread=True)
     assert len(outputs) == 2
     assert torch.cuda.memory_allocated(0) == on_first, "a step allocated on cuda:0"

@@ -12,14 +12,16 @@ import os
 import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from bf16_oracle import assert_greedy_agrees, hf_greedy_with_logits
-from cuda_helpers import model_64, needs_flashinfer, random_step  # noqa: F401
+from cuda_helpers import (  # noqa: F401 (fixtures)
+    DECODE, MIXED, PREFILL_WITH_PREFIX, empty_gpu, greedy_outputs, model_64, needs_flashinfer,
+    random_step,
+)
 from nanoqwen import LLMEngine
 from nanoqwen.attention_flashinfer import FlashInferBackend, check_flashinfer
 from nanoqwen.attention_torch import TorchBackend
@@ -27,25 +29,12 @@ from nanoqwen.config import ModelConfig
 from nanoqwen.kv_pool import KVPool
 from oracle import greedy, random_prompts, run_to_completion
 
-pytestmark = needs_flashinfer
+pytestmark = [needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
 
 CUDA = torch.device("cuda")
 VOCAB = 800
 BUCKETS = [1, 2, 4, 8, 16, 24]
 REPOSITORY = Path(__file__).resolve().parents[1]
-
-# (cached tokens, new tokens) per request.
-PREFILL_WITH_PREFIX = [(0, 37), (33, 20), (64, 16), (5, 120)]
-DECODE = [(0, 1), (15, 1), (16, 1), (200, 1), (47, 1)]
-MIXED = [(40, 1), (0, 25), (100, 1), (17, 9)]
-
-
-@pytest.fixture(autouse=True)
-def empty_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
 
 @pytest.mark.parametrize(
     "rows", [PREFILL_WITH_PREFIX, DECODE, MIXED], ids=["prefill", "decode", "mixed"]
@@ -196,18 +185,8 @@ def test_an_engine_on_cuda_0_serves_from_another_thread(model_64: str) -> None:
     assert engine.runner.device == torch.device("cuda", 0)
     assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
     prompts = random_prompts(VOCAB, [5, 17, 40], seed=10)
-    results = {}
-
-    def generate(name: str) -> None:
-        ids = [engine.add_request(prompt, greedy(10)) for prompt in prompts]
-        final = run_to_completion(engine)
-        results[name] = [final[i].token_ids for i in ids]
-
-    thread = threading.Thread(target=generate, args=("thread",))
-    thread.start()
-    thread.join()
-    generate("main")
-    assert results["thread"] == results["main"]
+    in_thread = greedy_outputs(engine, prompts, 10, in_thread=True)
+    assert in_thread == greedy_outputs(engine, prompts, 10)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -216,20 +195,12 @@ def test_graphs_on_the_second_gpu_match_the_first(model_64: str) -> None:
     cuda:0: capture and replay must still happen on cuda:1."""
     torch.cuda.set_device(0)
     prompts = random_prompts(VOCAB, [5, 17, 40], seed=11)
-    results = {}
-
-    def generate(device: str) -> None:
+    outputs = []
+    for device in ("cuda:0", "cuda:1"):
         engine = LLMEngine(model_64, device=device, decode_buckets=[1, 2, 4], num_pages=256)
         assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
-        ids = [engine.add_request(prompt, greedy(10)) for prompt in prompts]
-        stepped = threading.Thread(target=lambda: results.update({device: run_to_completion(engine)}))
-        stepped.start()
-        stepped.join()
-        results[device] = [results[device][i].token_ids for i in ids]
-
-    generate("cuda:0")
-    generate("cuda:1")
-    assert results["cuda:1"] == results["cuda:0"]
+        outputs.append(greedy_outputs(engine, prompts, 10, in_thread=True))
+    assert outputs[1] == outputs[0]
 
 
 def test_kv_pool_fills_the_memory_budget(model_64: str) -> None:
