@@ -93,7 +93,10 @@ class ModelRunner:
         self.device = exact_device(config.device)
         self.max_model_len = max_model_len
         with on_device(self.device):
-            self.model = load_model(checkpoint, model_config, config.dtype, self.device)
+            self.model = load_model(
+                checkpoint, model_config, config.dtype, self.device,
+                quantization=config.quantization,
+            )
             self.sampler = Sampler()
             # Chosen before the pool: on CUDA, sizing the pool runs the model through it.
             self.backend_class = attention_backend_class(config, model_config, self.device)
