@@ -76,7 +76,8 @@ def check_flashinfer(
         return reason
     start = time.perf_counter()
     try:
-        with console.status("compiling flashinfer kernels (minutes on the first start, cached after)…"):
+        status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
+        with console.status(status):
             warm_up_kernels(model_config, page_size, dtype, device)
     # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
     # flashinfer raises many kinds of errors, and each means it cannot serve this model.
@@ -97,7 +98,8 @@ def warm_up_kernels(
     kernel a step of this model can use (the graph buckets' decode wrappers run the same
     decode kernel); running them checks that they load and launch.
     """
-    heads, kv_heads, head_dim = model_config.num_heads, model_config.num_kv_heads, model_config.head_dim
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    head_dim = model_config.head_dim
     pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
     pool = KVPool(1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device)
     backend = FlashInferBackend(pool, heads, kv_heads, head_dim)

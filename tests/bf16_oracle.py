@@ -52,7 +52,9 @@ def hf_greedy_with_logits(
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float().cpu() for step in out.logits]
 
 
-def assert_greedy_agrees(engine_tokens: list[int], hf_tokens: list[int], hf_logits: list[torch.Tensor]) -> int:
+def assert_greedy_agrees(
+    engine_tokens: list[int], hf_tokens: list[int], hf_logits: list[torch.Tensor]
+) -> int:
     """The engine's greedy tokens equal transformers' up to the first near-tie where they
     part (see the module docstring); returns how many tokens were compared equal."""
     for step, (ours, theirs) in enumerate(zip(engine_tokens, hf_tokens, strict=True)):

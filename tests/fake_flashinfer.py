@@ -28,6 +28,7 @@ import torch
 from nanoqwen.attention import AttentionMetadata, ReferenceBackend
 
 Log = list[tuple[str, object]]
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class FakeEvent:
@@ -49,8 +50,10 @@ class FakeWrapper:
         self.log = log
         self.planned: dict | None = None
 
-    def remember(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                 last_page_len: torch.Tensor, shape: tuple[int, int, int, int], dtypes: tuple) -> None:
+    def remember(
+        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor, shape: tuple[int, int, int, int], dtypes: tuple,
+    ) -> None:
         for host in (qo_indptr, kv_indptr, last_page_len):
             assert host.device.type == "cpu", "flashinfer plans from host tensors"
         self.log.append(("plan", self))
@@ -59,11 +62,11 @@ class FakeWrapper:
             last_page_len=last_page_len, shape=shape, dtypes=dtypes,
         )
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: KVCache) -> torch.Tensor:
         assert self.planned is not None, "run before plan"
         self.log.append(("run", self))
         num_heads, num_kv_heads, head_dim, page_size = self.planned["shape"]
-        assert q.dtype in self.planned["dtypes"] and paged_kv_cache[0].dtype in self.planned["dtypes"]
+        assert {q.dtype, paged_kv_cache[0].dtype} <= set(self.planned["dtypes"])
         pool = SimpleNamespace(page_size=page_size, layer_cache=lambda layer: paged_kv_cache)
         reference = ReferenceBackend(pool, num_heads, num_kv_heads, head_dim)
         nothing = torch.zeros(0, dtype=torch.int64, device=q.device)
@@ -79,7 +82,9 @@ class FakeWrapper:
 
 
 class FakePrefillWrapper(FakeWrapper):
-    def __init__(self, log: Log, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+    def __init__(
+        self, log: Log, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD"
+    ) -> None:
         super().__init__(log, float_workspace_buffer, kv_layout)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -100,7 +105,9 @@ class FakeDecodeWrapper(FakeWrapper):
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
         super().__init__(log, float_workspace_buffer, kv_layout)
         self.use_cuda_graph = use_cuda_graph
-        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.buffers = (
+            paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        )
         if use_cuda_graph:
             assert all(isinstance(b, torch.Tensor) for b in self.buffers)
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
@@ -120,7 +127,7 @@ class FakeDecodeWrapper(FakeWrapper):
             (num_qo_heads, num_kv_heads, head_dim, page_size), (q_data_type, kv_data_type),
         )
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: KVCache) -> torch.Tensor:
         if self.use_cuda_graph:  # a replayed graph reads the fixed buffers, not the plan's inputs
             indptr_buffer, indices_buffer, last_buffer = self.buffers
             self.planned.update(

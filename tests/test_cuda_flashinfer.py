@@ -72,7 +72,8 @@ def test_the_kernels_are_built_and_timed_at_start_up(
     model_64: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
-        assert check_flashinfer(ModelConfig.from_pretrained(model_64), 16, torch.bfloat16, CUDA) is None
+        model_config = ModelConfig.from_pretrained(model_64)
+        assert check_flashinfer(model_config, 16, torch.bfloat16, CUDA) is None
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 
 
@@ -117,7 +118,8 @@ def test_engine_uses_flashinfer_and_captures_every_bucket(engines) -> None:
     assert sorted(graphed.runner.decode_graphs.graphs) == BUCKETS
     assert eager.runner.decode_graphs is None
     # One event per wrapper: each fences its own staging buffer.
-    wrappers = [backend.prefill_wrapper, backend.decode_wrapper, *backend.graph_decode_wrappers.values()]
+    wrappers = [backend.prefill_wrapper, backend.decode_wrapper]
+    wrappers += backend.graph_decode_wrappers.values()
     assert len({id(wrapper.planned) for wrapper in wrappers}) == len(BUCKETS) + 2
 
 

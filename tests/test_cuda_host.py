@@ -109,7 +109,8 @@ def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
     assert outputs[0] == outputs[1]
 
     backend = engines[0].runner.backend
-    fenced = [backend.prefill_wrapper, backend.decode_wrapper, *backend.graph_decode_wrappers.values()]
+    fenced = [backend.prefill_wrapper, backend.decode_wrapper]
+    fenced += backend.graph_decode_wrappers.values()
     assert sorted(backend.graph_decode_wrappers) == BUCKETS
     event_of = {id(f.wrapper): f.planned for f in fenced}
     assert len({id(event) for event in event_of.values()}) == len(fenced), "an event is shared"

@@ -82,7 +82,9 @@ WORKLOADS = st.lists(
 )
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(workload=WORKLOADS, seed=st.integers(0, 1000))
 def test_the_profiled_step_bounds_every_scheduled_step(
     small_engine: LLMEngine, workload, seed: int, monkeypatch: pytest.MonkeyPatch
@@ -155,7 +157,8 @@ def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
     assert sorted(eager.q_lens().tolist()) == [1] * LIMITS["max_num_seqs"] + [LIMITS["chunk_size"]]
     assert eager.max_kv_len == LIMITS["max_model_len"]
     # The largest bucket's decodes, through the bucket runner.
-    assert bucket.is_decode and bucket.batch_size == 4 and bucket.max_kv_len == LIMITS["max_model_len"]
+    assert bucket.is_decode and bucket.batch_size == 4
+    assert bucket.max_kv_len == LIMITS["max_model_len"]
 
 
 class OutOfMemoryBackend(TorchBackend):
