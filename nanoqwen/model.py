@@ -207,17 +207,16 @@ class QwenModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        shard = tp.shard_config(config)
-        self.layers = nn.ModuleList(DecoderLayer(shard, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class QwenForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = QwenModel(config, tp)
-        self.rotary = RotaryEmbedding(config)
+        self.config = tp.shard_config(config)  # this rank's heads and MLP channels
+        self.model = QwenModel(self.config, tp)
+        self.rotary = RotaryEmbedding(self.config)
         _, vocab_rows = tp.vocab_shard(config.vocab_size)
         self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.tie_weights()

@@ -22,7 +22,7 @@ LAYERS = [
         "attention_flashinfer", "model", "loader", "batch", "quantization", "gptq_awq",
         "step_broadcast",
     },
-    {"cuda_graph", "scheduler", "runner", "distributed"},
+    {"cuda_graph", "memory_profile", "scheduler", "runner", "distributed"},
     {"engine"},
     {"__init__", "cli", "metrics", "server"},
 ]
