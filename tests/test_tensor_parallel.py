@@ -43,7 +43,9 @@ VOCAB = 800
 # Small pages, a small pool, small chunks and few sequences at a time: prefills are
 # chunked, requests are preempted, and later prompts find earlier ones in the cache.
 # Decode steps are padded to buckets through the CUDA-graph runner's buffers, as on a GPU.
-OPTIONS = dict(page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4])
+OPTIONS = dict(
+    page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -117,8 +119,11 @@ def six_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # Module-scoped, so that pytest runs all the tests of one setup before the next.
-@pytest.fixture(scope="module", params=[("qwen2_dir", 2), ("qwen3_dir", 2), ("six_heads_dir", 3)],
-                ids=["qwen2-tp2", "qwen3-tp2", "six-heads-tp3"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2_dir", 2), ("qwen3_dir", 2), ("six_heads_dir", 3)],
+    ids=["qwen2-tp2", "qwen3-tp2", "six-heads-tp3"],
+)
 def setup(request: pytest.FixtureRequest) -> tuple[str, int]:
     name, size = request.param
     return request.getfixturevalue(name), size
@@ -230,11 +235,12 @@ def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
     engines.close()
 
 
-def test_three_ranks_cannot_split_four_heads(model_dir: str) -> None:
+@pytest.mark.parametrize("model", ["qwen2_dir", "qwen3_dir"])
+def test_three_ranks_cannot_split_four_heads(model: str, request: pytest.FixtureRequest) -> None:
     """Refused before any process starts (the autouse check sees no child)."""
     message = "tensor_parallel_size=3 must divide the model's 4 attention heads"
     with pytest.raises(ValueError, match=message):
-        LLM(model_dir, tensor_parallel_size=3)
+        LLM(request.getfixturevalue(model), tensor_parallel_size=3)
 
 
 @pytest.mark.parametrize(("size", "shape", "message"), [
