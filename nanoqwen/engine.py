@@ -78,7 +78,6 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
@@ -100,6 +99,7 @@ class LLMEngine:
                 self.workers.abandon(f"rank 0 failed to start ({type(error).__name__})")
             self.shutdown()
             raise error
+        self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
