@@ -2,25 +2,22 @@
 
 How the model is split is `parallel.py`; this module is the plumbing around it.
 
-* **Who runs what.** Rank 0 is the caller's process. It alone has the engine: requests,
-  scheduler, prefix cache, tokenizer, sampler. `launch` starts the N-1 other ranks as
-  worker processes (`torch.multiprocessing`, spawn). Each builds a `ModelRunner` over its
-  slice of the weights, with its own KV pool holding its heads' keys and values. Under
-  `torchrun` the N processes exist already: each runs the same script, and in every rank
-  but 0, `LLM(...)` serves steps until rank 0 shuts down, then exits the process.
-* **One broadcast per step.** Workers know nothing of requests. Each step rank 0 sends
-  the flattened batch (`StepInputs`: token ids, positions, the page table, the rows to
-  sample) as one small header and one payload over a gloo group, and every rank runs
-  the forward pass on it. With the same page tables everywhere, each rank's pool mirrors
-  rank 0's page for page: page accounting happens once, on rank 0.
-* **Failure.** A dead worker must fail the engine, never hang it. A thread on rank 0
-  waits on the worker processes and records which one died and how; gloo notices a
-  vanished peer at once (NCCL is aborted); from then on every step raises
-  `WorkerFailure` straight away. Workers watch rank 0 through a pipe and exit when it
-  is gone. Collectives also time out, as a last resort against a rank that hangs.
-* **Interrupts.** A step is a chain of collectives that every rank must finish. Ctrl-C
-  on rank 0 takes effect when the step ends (a second Ctrl-C at once, which leaves the
-  ranks out of step for good); workers ignore it and wait for rank 0's word.
+* **Who runs what.** Rank 0 is the caller's process and alone has the engine: requests,
+  scheduler, prefix cache, tokenizer, sampler. `launch` starts the other N-1 ranks
+  (`torch.multiprocessing`, spawn), each a `ModelRunner` over its slice of the weights
+  with a KV pool of its heads. Under `torchrun` the N processes exist already: all run
+  the same script, and in every rank but 0 `LLM(...)` serves steps until rank 0 stops.
+* **One broadcast per step** (`step_broadcast.py`): rank 0 sends the flattened batch and
+  every rank runs the forward pass on it. With the same page tables everywhere, each
+  pool mirrors rank 0's page for page: page accounting happens once, on rank 0.
+* **Failure.** A dead worker fails the engine, never hangs it: a thread on rank 0 waits
+  on the worker processes and records which one died and how; gloo notices a vanished
+  peer at once (NCCL is aborted); from then on every step raises `WorkerFailure` at once.
+  Workers exit when rank 0's end of their pipe closes. Collectives also time out, as a
+  last resort against a rank that hangs.
+* **Interrupts.** A step is a chain of collectives every rank must finish: Ctrl-C on
+  rank 0 lands when the step ends (a second one at once, leaving the ranks out of step
+  for good); workers ignore it.
 * **Shutdown.** `Workers.shutdown` (also run at exit) tells the workers to stop, gives
   them a few seconds, then terminates whatever is left.
 """
@@ -173,6 +170,22 @@ class Workers:
                 dist.destroy_process_group()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
+
+
+@contextmanager
+def starting(workers: Workers | None) -> Iterator[None]:
+    """Around rank 0's own start-up: should it fail, the workers are stopped too, and a
+    worker that died first is the error."""
+    try:
+        yield
+    except BaseException as error:
+        if workers is None:
+            raise
+        if isinstance(error, Exception):
+            error = workers.explain(error)
+        workers.abandon(f"rank 0 failed to start ({type(error).__name__})")
+        workers.shutdown()
+        raise error
 
 
 def describe_exit(rank: int, process: BaseProcess, pipe: Connection) -> str:

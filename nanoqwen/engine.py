@@ -28,7 +28,7 @@ from typing import Any
 
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
-from nanoqwen.distributed import Workers, launch
+from nanoqwen.distributed import Workers, launch, starting
 from nanoqwen.loader import check_splittable, resolve_model_path
 from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
@@ -90,15 +90,8 @@ class LLMEngine:
             check_splittable(checkpoint, self.model_config, self.config.quantization)
             # Under torchrun, only rank 0 returns from here.
             tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
-        try:
+        with starting(self.workers):  # if rank 0 fails to start, the other ranks go too
             self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
-        except BaseException as error:
-            if self.workers is not None:
-                if isinstance(error, Exception):
-                    error = self.workers.explain(error)  # a worker that died starting up
-                self.workers.abandon(f"rank 0 failed to start ({type(error).__name__})")
-            self.shutdown()
-            raise error
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
