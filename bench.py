@@ -311,6 +311,7 @@ def run_fresh_engine(
     engine, timer = load_engine(model_dir, options)
     warm_up(engine, token_ids)
     run = run_engine(engine, timer, sessions, temperature, progress, description)
+    engine.shutdown()  # stops the other tensor-parallel ranks, if any
     del engine
     free_memory()
     return run
@@ -437,7 +438,7 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"{settings['threads']} torch threads), "
+        f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, median of {settings['rounds']} round(s)"
     )
     console.print(
@@ -575,16 +576,17 @@ def measure_decode(
         raise click.ClickException(str(error)) from None
 
 
-def engine_settings(engine: LLMEngine) -> Metrics:
+def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads,  # in all; tensor-parallel ranks on a CPU share them
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "tensor_parallel_size": config.tensor_parallel_size,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens,
     }
@@ -715,6 +717,7 @@ def main(
     check_workload(workload)
     if threads is not None:
         torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
     # Weight-loading and shard-writing bars of transformers and the hub would cut into ours.
     transformers_logging.disable_progress_bar()
     disable_progress_bars()
@@ -742,7 +745,7 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
-        **engine_settings(engine),
+        **engine_settings(engine, threads),
     }
     runs: list[EngineRun] = []
     plain_runs: list[EngineRun] = []
@@ -768,6 +771,7 @@ def main(
             runs.append(run_engine(engine, timer, sessions, temperature, progress, description))
             if decode_batch is not None and index == rounds - 1:
                 decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
+            engine.shutdown()  # stops the other tensor-parallel ranks, if any
             engine = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if plain_options is not None and not plain_first:

@@ -3,9 +3,9 @@
 A few small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs, speculative decoding) and validates them before
-  anything is loaded,
-  so a typo in a dtype fails in one clear line instead of deep inside a kernel.
+  memory, chunk size, caching, graphs, ranks, speculative decoding) and validates them
+  before anything is loaded, so a typo in a dtype fails in one clear line instead of
+  deep inside a kernel.
 * `ModelConfig` is the model's shape, read from the checkpoint's `config.json` (or a GGUF
   file's metadata) through transformers' `AutoConfig`. The decoder in `model.py` is built
   from it alone; the transformers config object rides along because its rotary-embedding
@@ -96,6 +96,8 @@ class EngineConfig:
     # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
     # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
     quantization: str | None = None
+    # Ranks (GPUs, or CPU processes) the model is split across (`parallel.py`).
+    tensor_parallel_size: int = 1
     # Speculative decoding (speculative.py): "ngram" guesses from the request's own text,
     # "draft" runs `draft_model`, a smaller model with the same tokenizer; None is off.
     speculative: str | None = None
@@ -107,7 +109,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        for name in ("max_num_seqs", "page_size"):
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_pages", "chunk_size"):
             if getattr(self, name) is not None:
@@ -141,6 +143,8 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             names = ", ".join(str(name) for name in SPECULATIVE_METHODS)
             raise ValueError(f"speculative must be one of {names}, got {self.speculative!r}")
+        if self.speculative == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative='draft' does not run with tensor_parallel_size > 1")
         if self.speculative == "draft" and self.draft_model is None:
             raise ValueError("speculative='draft' needs draft_model (a hub id or directory)")
         if self.speculative != "draft" and self.draft_model is not None:

@@ -2,22 +2,22 @@
 
 `LLMEngine` is the online interface a server drives. `add_request` validates and queues a
 prompt; each `step()` asks the scheduler for a batch, runs it through the model and the
-sampler, appends each sampled token to its request, checks the stop conditions (EOS,
+sampler, appends each sampled token to its request (with speculative decoding, a step's
+accepted tokens one at a time: `speculative.py`), checks the stop conditions (EOS,
 stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
 `RequestOutput` per request that made progress: the new text (`delta_text`, safe to
 stream) plus everything so far. Finished requests release their pages, leaving their
 full pages to the prefix cache so a follow-up turn can reuse them.
-
-With speculative decoding (`speculative.py`), a proposer adds draft tokens to the
-scheduled batch before it runs, and a step may give a request several tokens: they are
-appended one at a time through the same stop checks, and the first that ends the request
-drops the rest; then the proposer settles the drafts (keeping the accepted ones' K/V).
 
 `LLM` is the offline interface: `generate` queues many prompts and steps until all are
 done, returning outputs in prompt order; `chat` renders conversations through the chat
 template first; `stream` yields one request's deltas as they are produced.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
+
+With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
+rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
+or the program's exit) stops them.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from typing import Any
 
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
-from nanoqwen.loader import resolve_model_path
+from nanoqwen.distributed import Workers, launch, starting
+from nanoqwen.loader import check_splittable, resolve_model_path
+from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
 from nanoqwen.runner import ModelRunner
 from nanoqwen.sampler import SamplingParams, make_generator
 from nanoqwen.scheduler import Scheduler
-from nanoqwen.speculative import SpeculationStats, make_proposer, resolve_draft_model
+from nanoqwen.speculative import make_proposer, resolve_draft_model
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -78,24 +80,31 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
+        runner_args = (self.model_config, checkpoint, self.max_model_len)
+        tp, rank_config = SINGLE, self.config
+        self.workers: Workers | None = None
+        if self.config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+            check_splittable(checkpoint, self.model_config, self.config.quantization)
+            # Under torchrun, only rank 0 returns from here.
+            tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
         draft = resolve_draft_model(self.config, self.tokenizer)
-        self.runner = ModelRunner(
-            self.config, self.model_config, checkpoint, self.max_model_len,
-            draft_model_config=draft.model_config if draft else None,
-        )
+        with starting(self.workers):  # if rank 0 fails to start, the other ranks go too
+            self.runner = ModelRunner(
+                rank_config, *runner_args, tp=tp, workers=self.workers,
+                draft_model_config=draft.model_config if draft else None,
+            )
+        self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
         )
-        self.proposer = make_proposer(
-            self.config, self.scheduler, self.runner, draft, self.max_model_len
-        )
+        self.proposer = make_proposer(self.config, self.scheduler, self.runner, draft)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -175,12 +184,10 @@ class LLMEngine:
         if not batch:
             return outputs
         try:
-            if self.proposer is not None:
-                self.proposer.propose(batch)
+            self.proposer.propose(batch)  # draft tokens, with speculative decoding
             sampled = self.runner.run(batch)
         except Exception as error:
-            if self.proposer is not None:
-                self.proposer.discard(batch)
+            self.proposer.discard(batch)
             failed = [request.request_id for request in batch.requests]
             raise StepError(failed, outputs) from error
         return outputs + self._postprocess(batch, sampled)
@@ -191,8 +198,7 @@ class LLMEngine:
         """Record the step's K/V as computed, then append each request's new tokens and stop."""
         self.scheduler.advance(batch)
         outputs = [self._append_tokens(request, token_ids) for request, token_ids in sampled]
-        if self.proposer is not None:
-            self.proposer.settle(sampled)
+        self.proposer.settle(sampled)  # keeps accepted drafts' K/V, rolls back the rest
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
@@ -252,8 +258,7 @@ class LLMEngine:
         the engine keeping clocks of its own."""
         runner = self.runner
         self.scheduler.schedule = wrap("schedule", self.scheduler.schedule)
-        if self.proposer is not None:
-            self.proposer.propose = wrap("propose", self.proposer.propose)
+        self.proposer.propose = wrap("propose", self.proposer.propose)
         runner.prepare = wrap("prepare", runner.prepare)
         runner.forward = wrap("forward", runner.forward)
         runner.sample = wrap("sample", runner.sample)
@@ -273,7 +278,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.kv.nbytes,
+            "kv_cache_bytes": pool.kv.nbytes * self.config.tensor_parallel_size,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,
@@ -284,11 +289,16 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "finished": dict(self.num_finished),
-            **(self.proposer.stats if self.proposer else SpeculationStats()).as_dict(),
+            **self.proposer.stats.as_dict(),
         }
 
     def reset_prefix_cache(self) -> int:
         return self.cache.reset() if self.cache else 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 class LLM:
@@ -359,6 +369,15 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -54,7 +54,6 @@ decode graphs, and so do the draft model's one-token passes, through its own run
 from __future__ import annotations
 
 import weakref
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +95,9 @@ class SpeculationStats:
         }
 
 
-class Proposer(ABC):
-    """Attaches draft tokens to a step's rows and settles them after verification."""
+class Proposer:
+    """Attaches draft tokens to a step's rows and settles them after verification. This
+    base class proposes nothing: it is the engine's proposer when speculation is off."""
 
     def __init__(
         self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int
@@ -107,7 +107,6 @@ class Proposer(ABC):
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
-    @abstractmethod
     def propose(self, batch: ScheduledBatch) -> None:
         """Give rows of `batch` that reach their request's last token some draft tokens."""
 
@@ -288,19 +287,18 @@ def make_proposer(
     scheduler: Scheduler,
     runner: ModelRunner,
     draft: DraftModel | None,
-    max_model_len: int,
-) -> Proposer | None:
-    """The proposer `config` asks for (None: no speculation). A draft model gets its own
-    runner, on a pool with the target runner's page count."""
-    k = config.num_speculative_tokens
+) -> Proposer:
+    """The proposer `config` asks for (one that proposes nothing without speculation). A
+    draft model gets its own runner, on a pool with the target runner's page count."""
+    k, max_model_len = config.num_speculative_tokens, runner.max_model_len
     if config.speculative == "ngram":
         return NgramProposer(scheduler, k, max_model_len, config.ngram_min, config.ngram_max)
     if draft is None:
-        return None
+        return Proposer(scheduler, k, max_model_len)
     draft_runner = ModelRunner(
         config, draft.model_config, draft.checkpoint, max_model_len,
         num_pages=runner.pool.num_pages,
     )
     return DraftModelProposer(
-        scheduler, k, max_model_len, draft_runner, runner.model_config.vocab_size
+        scheduler, k, max_model_len, draft_runner, runner.vocab_size
     )
