@@ -16,6 +16,7 @@ from nanoqwen import LLMEngine
 from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.memory_profile import Overhead, kv_budget, profile_overhead, worst_step
+from nanoqwen.runner import GatheredSampler
 from oracle import check_page_accounting, greedy, random_prompts
 
 GIB = 2**30
@@ -159,6 +160,38 @@ def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
     # The largest bucket's decodes, through the bucket runner.
     assert bucket.is_decode and bucket.batch_size == 4
     assert bucket.max_kv_len == LIMITS["max_model_len"]
+
+
+class SpySampler(GatheredSampler):
+    """The runner's sampler for the profile, noting how many rows it samples."""
+
+    rows: list = []
+
+    def sample(self, logits: torch.Tensor, requests: list) -> list[list[int]]:
+        SpySampler.rows.append(len(logits))
+        return super().sample(logits, requests)
+
+
+def test_with_speculation_the_profiled_step_verifies_drafts_for_every_sequence(
+    qwen3_dir: str,
+) -> None:
+    engine = LLMEngine(
+        qwen3_dir, speculative="ngram", num_speculative_tokens=3, num_pages=64,
+        max_num_seqs=LIMITS["max_num_seqs"], chunk_size=LIMITS["chunk_size"],
+    )
+    runner = engine.runner
+    SpyBackend.planned, SpySampler.rows = [], []
+    sampler = SpySampler(runner.sampler, runner.tp, runner.vocab_size)
+    profile_overhead(
+        runner.model, sampler, SpyBackend, runner._make_pool, engine.config,
+        LIMITS["max_model_len"], [], NoCounters(),
+    )
+    (step,) = SpyBackend.planned
+    # Every sequence verifying 3 drafts (1 + 3 rows, all sampled), and a prefill chunk.
+    decodes = [1 + 3] * LIMITS["max_num_seqs"]
+    assert sorted(step.q_lens().tolist()) == sorted(decodes + [LIMITS["chunk_size"]])
+    assert step.max_kv_len == LIMITS["max_model_len"]
+    assert SpySampler.rows == [1 + sum(decodes)]
 
 
 class OutOfMemoryBackend(TorchBackend):

@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 
 from nanoqwen import LLM, LLMEngine, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.kv_pool import KVPool
-from nanoqwen.memory_profile import profile_overhead
 from nanoqwen.request import Request, Status
-from nanoqwen.runner import GatheredSampler
 from nanoqwen.sampler import Sampler
 from nanoqwen.speculative import NgramIndex
 from nanoqwen.verification import sample_with_drafts
@@ -266,55 +263,6 @@ def test_ngram_speculation_across_tensor_parallel_ranks(
     expected = references[qwen2_dir].generate(prompts, greedy(20))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
-
-
-class NoCounters:
-    """The CUDA allocator's counters, which a CPU does not have: the profile's steps run,
-    nothing is measured."""
-
-    def allocated(self) -> int:
-        return 0
-
-    def reset_peak(self) -> None:
-        pass
-
-    def peak(self) -> int:
-        return 0
-
-
-class SpyBackend(TorchBackend):
-    """The torch backend, noting the page table of every step it plans."""
-
-    planned: list = []
-
-    def plan(self, metadata) -> None:
-        SpyBackend.planned.append(metadata)
-        super().plan(metadata)
-
-
-class SpySampler(GatheredSampler):
-    """The runner's sampler for the profile, noting how many rows it samples."""
-
-    rows: list = []
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[list[int]]:
-        SpySampler.rows.append(len(logits))
-        return super().sample(logits, requests)
-
-
-def test_the_memory_profile_verifies_drafts_for_every_sequence(qwen3_dir: str) -> None:
-    """On a GPU the pool gets what the worst step leaves: with speculation, that step
-    verifies `num_speculative_tokens` drafts for every sequence, all sampled."""
-    engine = LLMEngine(qwen3_dir, speculative="ngram", num_speculative_tokens=3, max_num_seqs=4,
-                       chunk_size=32, num_pages=64)
-    runner = engine.runner
-    SpyBackend.planned, SpySampler.rows = [], []
-    sampler = SpySampler(runner.sampler, runner.tp, runner.vocab_size)
-    profile_overhead(runner.model, sampler, SpyBackend, runner._make_pool, engine.config,
-                     64, [], NoCounters())
-    (step,) = SpyBackend.planned
-    assert sorted(step.q_lens().tolist()) == [4] * 4 + [32]  # 1 + 3 drafts each, one chunk
-    assert step.max_kv_len == 64 and SpySampler.rows == [1 + 4 * 4]
 
 
 # --------------------------------------------------------------------------- stop conditions
