@@ -83,6 +83,7 @@ THROUGHPUT_ROWS = [
 ]
 PHASE_LABELS = {
     "schedule": "schedule",
+    "propose": "propose draft tokens",
     "prepare": "prepare inputs",
     "forward": "forward",
     "sample": "sample",

@@ -22,7 +22,7 @@ from checkpoints import random_checkpoint, synthetic_tokenizer
 from nanoqwen.tokenizer import Tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
-PHASES = {"schedule", "prepare", "forward", "sample", "postprocess", "outside steps"}
+PHASES = {"schedule", "propose", "prepare", "forward", "sample", "postprocess", "outside steps"}
 TINY_SHAPE = dict(
     model_type="qwen3",
     vocab_size=600,
