@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, EngineConfig
+from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from nanoqwen.runner import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -49,10 +49,19 @@ ENGINE_OPTIONS = [
                  type=click.Choice([name for name in ATTENTION_BACKEND_NAMES if name]),
                  help="Attention implementation. Default: flashinfer on CUDA when it can run "
                       "the model, else torch; reference is the textbook one, for comparison."),
+    click.option("--scheduling-policy", default=engine_default("scheduling_policy"),
+                 type=click.Choice(SCHEDULING_POLICIES),
+                 help="Order of admission: fcfs (arrival) or priority (each request's "
+                      "priority, lower first, aged while it waits)."),
+    click.option("--priority-aging-steps", default=engine_default("priority_aging_steps"),
+                 type=click.IntRange(min=0),
+                 help="Under --scheduling-policy priority, a waiting request gains one "
+                      "priority level per this many steps (0: never)."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
+    "scheduling_policy", "priority_aging_steps",
 )
 
 

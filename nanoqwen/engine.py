@@ -8,9 +8,9 @@ stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
 stream) plus everything so far. Finished requests release their pages, leaving their
 full pages to the prefix cache so a follow-up turn can reuse them.
 
-`LLM` is the offline interface: `generate` queues many prompts and steps until all are
-done, returning outputs in prompt order; `chat` renders conversations through the chat
-template first; `stream` yields one request's deltas as they are produced.
+`LLM` is the offline interface: `generate` queues many prompts (each with an optional
+priority) and steps until all are done, returning outputs in prompt order; `chat` renders
+conversations through the chat template first; `stream` yields one request's deltas as they are produced.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
 """
@@ -78,8 +78,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
+        config = self.config
         self.scheduler = Scheduler(
-            self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
+            self.pool, self.cache, config.max_num_seqs, config.chunk_size,
+            config.scheduling_policy, config.priority_aging_steps,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -93,10 +95,14 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
+        """Queue a prompt; returns its request id. `priority`: lower is served sooner
+        (needs `scheduling_policy="priority"` unless it is 0)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self.check_priority(priority)
         prompt_ids = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -107,6 +113,7 @@ class LLMEngine:
             params,
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
+            priority=priority,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -140,6 +147,16 @@ class LLMEngine:
                 f"{self.pool.num_usable_pages * self.pool.page_size}"
             )
         return ids
+
+    def check_priority(self, priority: Any) -> None:
+        """A ValueError unless `priority` is an integer this engine's policy can honour."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority' "
+                f"(this engine schedules {self.config.scheduling_policy!r})"
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output, or None if it is unknown or done."""
@@ -251,7 +268,8 @@ class LLMEngine:
             "prefix_hit_tokens": hits,
             "prefix_hit_rate": hits / query if query else 0.0,
             "evicted_pages": cache.evicted_pages if cache else 0,
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": sum(self.scheduler.preemptions.values()),
+            "preemptions_by_cause": dict(self.scheduler.preemptions),
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "finished": dict(self.num_finished),
@@ -272,11 +290,18 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        params_list = _as_params_list(params, len(_as_prompt_list(prompts)))
+        """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`)."""
+        count = len(_as_prompt_list(prompts))
+        params_list = _as_params_list(params, count)
+        priorities = self._as_priority_list(priority, count)
         # Tokenize and validate everything before queueing anything.
         prompt_ids = [self.engine.encode_prompt(p) for p in _as_prompt_list(prompts)]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_ids, params_list)]
+        ids = [
+            self.engine.add_request(p, sp, priority=rank)
+            for p, sp, rank in zip(prompt_ids, params_list, priorities)
+        ]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(ids):
@@ -294,16 +319,19 @@ class LLM:
         conversations: list[Message] | Sequence[list[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         enable_thinking: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
         prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, priority)
 
     def chat_prompt(self, messages: list[Message], enable_thinking: bool | None = None) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
+    ) -> Iterator[RequestOutput]:
         """Yield this request's output after every engine step; closing the generator
         aborts it.
 
@@ -312,7 +340,7 @@ class LLM:
         deltas: a long prompt then still hands control back every step, so a caller can
         give up on it without waiting for the first token.
         """
-        request_id = self.engine.add_request(prompt, params)
+        request_id = self.engine.add_request(prompt, params, priority=priority)
         finished = False
         try:
             while not finished:
@@ -326,6 +354,17 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def _as_priority_list(self, priority: Sequence[int] | None, count: int) -> list[int]:
+        if priority is None:
+            return [0] * count
+        if isinstance(priority, (int, str)) or not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of integers, one per prompt: {priority!r}")
+        if len(priority) != count:
+            raise ValueError(f"got {len(priority)} priorities for {count} prompts")
+        for rank in priority:
+            self.engine.check_priority(rank)
+        return list(priority)
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()

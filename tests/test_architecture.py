@@ -21,7 +21,7 @@ LAYERS = [
         "sampler", "tokenizer", "request", "radix_cache", "attention", "attention_torch",
         "attention_flashinfer", "model", "loader", "batch",
     },
-    {"cuda_graph", "scheduler", "runner"},
+    {"cuda_graph", "scheduler", "waiting_queue", "runner"},
     {"engine"},
     {"__init__", "cli", "metrics", "server"},
 ]

@@ -1,0 +1,90 @@
+"""Who goes next: each request's urgency as one sortable key, and the heap of waiting ones.
+
+A request has a `priority` (lower is more urgent, 0 by default). Served strictly by
+priority, a request behind a steady stream of more urgent ones would wait forever, so
+priorities *age*: a waiting request's effective priority improves by one level every
+`aging_steps` scheduler steps. Precisely, at step `t` a request that arrived at step `a`
+has the effective priority
+
+    effective(t) = priority - (t - a) / aging_steps
+
+and requests are served by (effective priority, arrival order).
+
+That looks like it needs every waiting request re-ranked every step. It doesn't. For two
+requests at the same step `t`, multiply by `aging_steps` (positive) and add `t`:
+
+    effective_i(t) < effective_j(t)
+    <=>  priority_i * aging_steps + a_i  <  priority_j * aging_steps + a_j
+
+`t` cancels: the order between two requests is the same at every step. So the key
+`priority * aging_steps + arrival_step`, computed once at arrival, orders the requests
+exactly as their effective priorities do at any step, and a heap keyed by it never needs
+updating. Arrival order breaks ties. (Aging by whole levels, `priority - floor((t - a) /
+aging_steps)`, has no such key: whether two requests tie then depends on where `t` falls
+between multiples of `aging_steps`, so its order changes over time. The linear rule
+above gains exactly one level per `aging_steps` steps too, and is never more than one
+level away from it.)
+
+With `aging_steps = 0` aging is off and the key is the priority itself. First come first
+served is the same machinery with every key equal: arrival order alone decides.
+
+A key is computed once, when a request arrives, and it stays with the request when it
+runs: the scheduler compares running requests' keys with waiting ones' to choose whom to
+preempt (`scheduler.py`), so a request that has waited long enough outranks every later
+arrival, and cannot be pushed out by them either.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from nanoqwen.request import Request, Urgency
+
+
+def urgency(
+    policy: str, priority: int, arrival_step: int, arrival: int, aging_steps: int
+) -> Urgency:
+    """A request's key under `policy`; smaller is more urgent (see the module docstring).
+
+    `arrival` numbers requests in the order they arrived and breaks every tie.
+    """
+    if policy == "fcfs":
+        return (0, arrival)
+    if aging_steps == 0:
+        return (priority, arrival)
+    return (priority * aging_steps + arrival_step, arrival)
+
+
+class WaitingQueue:
+    """Requests waiting to run, most urgent (smallest `urgency`) first.
+
+    A binary heap: adding and taking the most urgent cost O(log n), looking at it O(1).
+    Removing a request from the middle (an abort) only marks it; the mark is dropped when
+    it reaches the top. So no operation ever walks the whole queue.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[Urgency, Request]] = []
+        self._removed: set[Request] = set()
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.urgency, request))
+
+    def peek(self) -> Request | None:
+        """The most urgent waiting request, left in the queue; None if there is none."""
+        self._drop_removed()
+        return self._heap[0][1] if self._heap else None
+
+    def pop(self) -> Request:
+        self._drop_removed()
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._removed.add(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) - len(self._removed)
+
+    def _drop_removed(self) -> None:
+        while self._heap and self._heap[0][1] in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[1])
