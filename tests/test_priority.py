@@ -1,0 +1,336 @@
+"""Priority scheduling: who runs first, who is preempted, that nothing starves, and that
+none of it changes a single output token or loses a page."""
+
+import random
+from fractions import Fraction
+
+import click
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoqwen import LLM, LLMEngine
+from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.config import EngineConfig
+from nanoqwen.request import Request, Status
+from nanoqwen.waiting_queue import WaitingQueue, urgency
+from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+
+VOCAB = 800
+
+
+def finish_order(engine: LLMEngine) -> list[str]:
+    """Step to the end; the request ids in the order they finished."""
+    order = []
+    while engine.has_unfinished_requests():
+        order += [output.request_id for output in engine.step() if output.finished]
+        check_page_accounting(engine)
+    return order
+
+
+# --------------------------------------------------------------------------- the key
+@settings(max_examples=200)
+@given(
+    requests=st.lists(st.tuples(st.integers(-3, 6), st.integers(0, 50)), min_size=2, max_size=12),
+    aging_steps=st.integers(1, 10),
+    later=st.integers(0, 100),
+)
+def test_static_key_orders_like_aged_priority_at_every_step(
+    requests: list[tuple[int, int]], aging_steps: int, later: int
+) -> None:
+    """The docstring's claim: sorting by the key computed at arrival is sorting by
+    (priority - steps waited / aging_steps, arrival) at any later step."""
+    now = max(step for _, step in requests) + later
+    by_key = sorted(
+        range(len(requests)),
+        key=lambda i: urgency("priority", requests[i][0], requests[i][1], i, aging_steps),
+    )
+    by_aged_priority = sorted(
+        range(len(requests)),
+        key=lambda i: (requests[i][0] - Fraction(now - requests[i][1], aging_steps), i),
+    )
+    assert by_key == by_aged_priority
+
+
+def test_key_without_aging_and_under_fcfs() -> None:
+    assert urgency("priority", 3, 99, 7, 0) == (3, 7)
+    assert urgency("fcfs", 3, 99, 7, 16) == urgency("fcfs", -5, 0, 7, 16) == (0, 7)
+
+
+@settings(max_examples=100)
+@given(ops=st.lists(st.tuples(st.sampled_from(["push", "pop", "remove"]), st.integers(0, 30))))
+def test_waiting_queue_pops_most_urgent_of_what_remains(ops: list[tuple[str, int]]) -> None:
+    queue, model = WaitingQueue(), []
+    for arrival, (op, value) in enumerate(ops):
+        if op == "push":
+            request = Request(f"r{arrival}", [1], greedy(1))
+            request.urgency = (value, arrival)
+            queue.push(request)
+            model.append(request)
+        elif op == "remove" and model:
+            request = model.pop(value % len(model))
+            queue.remove(request)
+        elif op == "pop" and model:
+            expected = min(model, key=lambda r: r.urgency)
+            assert queue.peek() is expected
+            assert queue.pop() is expected
+            model.remove(expected)
+        assert len(queue) == len(model)
+    assert (queue.peek() is None) == (not model)
+
+
+# --------------------------------------------------------------------------- the API
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(model="m", device="cpu", scheduling_policy="lifo")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="priority_aging_steps"):
+            EngineConfig(model="m", device="cpu", priority_aging_steps=bad)
+
+
+def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
+    fcfs = LLM(qwen2_dir)
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        fcfs.engine.add_request([5, 6, 7], greedy(2), priority=1)
+    assert fcfs.generate([[5, 6, 7]], greedy(2), priority=[0])[0].finish_reason == "length"
+    llm = LLM(qwen2_dir, scheduling_policy="priority")
+    for bad in (1.5, "1", None, True):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            llm.engine.add_request([5, 6, 7], greedy(2), priority=bad)
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate([[5], [6], [7]], greedy(2), priority=[0, 1])
+    with pytest.raises(ValueError, match="priority must be a list"):
+        llm.generate([[5], [6]], greedy(2), priority=1)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate([[5], [6]], greedy(2), priority=[0, "high"])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_stream_and_chat_take_a_priority(qwen2_dir: str) -> None:
+    llm = LLM(qwen2_dir, scheduling_policy="priority")
+    prompt = random_prompts(VOCAB, [9], seed=40)[0]
+    stream = llm.stream(prompt, greedy(4), priority=-2)
+    first = next(stream)
+    assert llm.engine.requests[first.request_id].priority == -2
+    streamed = [first, *stream][-1]
+    assert streamed.token_ids == llm.generate([prompt], greedy(4))[0].token_ids
+    messages = [{"role": "user", "content": "hello"}]
+    assert llm.chat([messages, messages], greedy(3), priority=[2, 1])[1].finish_reason == "length"
+
+
+def test_command_line_options() -> None:
+    seen = {}
+
+    @click.command()
+    @engine_options
+    def command(**options: object) -> None:
+        seen.update(pop_engine_options(options))
+
+    runner = CliRunner()
+    result = runner.invoke(command, ["--scheduling-policy", "priority", "--priority-aging-steps", "8"])
+    assert result.exit_code == 0, result.output
+    assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("priority", 8)
+    runner.invoke(command, [])
+    assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("fcfs", 64)
+    assert runner.invoke(command, ["--scheduling-policy", "lifo"]).exit_code == 2
+    assert runner.invoke(command, ["--priority-aging-steps", "-1"]).exit_code == 2
+
+
+# --------------------------------------------------------------------------- order
+@pytest.mark.parametrize("aging_steps", [0, 64])
+def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_steps: int) -> None:
+    engine = LLMEngine(
+        qwen2_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
+    )
+    long_prompt, *prompts = random_prompts(VOCAB, [12, 5, 6, 7, 8], seed=41)
+    long_running = engine.add_request(long_prompt, greedy(30))
+    engine.step()
+    by_priority = {
+        priority: engine.add_request(prompt, greedy(3), priority=priority)
+        for prompt, priority in zip(prompts, [3, 2, 1, 0])
+    }
+    assert finish_order(engine) == [long_running] + [by_priority[p] for p in (0, 1, 2, 3)]
+    # The priority-0 newcomer ties the running request's priority and arrived later.
+    assert engine.stats()["preemptions"] == 0
+
+
+def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
+    engine = LLMEngine(qwen2_dir, max_num_seqs=2, scheduling_policy="priority")
+    prompts = random_prompts(VOCAB, [10, 11, 6, 7, 8], seed=42)
+    first, second = (engine.add_request(p, greedy(20), priority=1) for p in prompts[:2])
+    engine.step()
+    later = [engine.add_request(p, greedy(3), priority=q) for p, q in zip(prompts[2:4], [1, 2])]
+    for _ in range(3):
+        moved = {output.request_id for output in engine.step()}
+        assert moved == {first, second}
+    assert engine.stats()["preemptions"] == 0
+    urgent = engine.add_request(prompts[4], greedy(3), priority=0)
+    moved = {output.request_id for output in engine.step()}
+    # The latest arrival among the least urgent gives up its seat, and the newcomer
+    # gets its first token in the same step.
+    assert moved == {first, urgent}
+    assert engine.requests[second].status is Status.WAITING
+    stats = engine.stats()
+    assert stats["preemptions_by_cause"] == {"kv_pages": 0, "max_num_seqs": 1}
+    assert stats["preemptions"] == 1
+    order = finish_order(engine)
+    assert order.index(urgent) < order.index(second) < order.index(later[0]) < order.index(later[1])
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_urgent_request_takes_pages_only_under_priority(qwen2_dir: str, policy: str) -> None:
+    # 8 usable pages of 4 tokens. Each background request peaks at 15 computed tokens, 4
+    # pages, so together they fill the pool and never need to preempt each other.
+    engine = LLMEngine(qwen2_dir, num_pages=9, page_size=4, scheduling_policy=policy)
+    prompts = random_prompts(VOCAB, [9, 9, 6], seed=43)
+    background = [engine.add_request(p, greedy(7)) for p in prompts[:2]]
+    while engine.requests[background[0]].num_tokens < 14:  # 13 computed: 4 pages
+        engine.step()
+    stats = engine.stats()
+    assert stats["pages_free"] + stats["pages_cached"] == 0
+    urgent = engine.add_request(prompts[2], greedy(3), priority=-1 if policy == "priority" else 0)
+    moved = {output.request_id for output in engine.step()}
+    if policy == "priority":
+        assert urgent in moved and background[1] not in moved
+        assert engine.stats()["preemptions_by_cause"] == {"kv_pages": 1, "max_num_seqs": 0}
+    else:
+        assert urgent not in moved
+    final = run_to_completion(engine)
+    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate(prompts, [greedy(7)] * 2 + [greedy(3)])
+    assert [final[i].token_ids for i in [*background, urgent]] == [o.token_ids for o in expected]
+    assert engine.stats()["preemptions"] == (1 if policy == "priority" else 0)
+
+
+# --------------------------------------------------------------------------- starvation
+def run_stream_with_one_background_request(
+    qwen2_dir: str, aging_steps: int, arrival: int, stream_steps: int
+) -> tuple[dict[str, int], dict[str, int], str]:
+    """One seat; a priority-0 request arrives before every step for `stream_steps` steps,
+    each taking 2 steps to serve (so they pile up); a priority-5 request arrives before
+    step `arrival`. Returns each request's arrival step, finish step, and the
+    priority-5 request's id."""
+    engine = LLMEngine(
+        qwen2_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
+    )
+    prompts = iter(random_prompts(VOCAB, [5] * (stream_steps + 1), seed=44))
+    arrived, finished = {}, {}
+    background = ""
+    step = 0
+    while step < stream_steps or engine.has_unfinished_requests():
+        if step < stream_steps:
+            arrived[engine.add_request(next(prompts), greedy(2))] = step
+        if step == arrival:
+            background = engine.add_request(next(prompts), greedy(2), priority=5)
+            arrived[background] = step
+        step += 1
+        finished.update({o.request_id: step for o in engine.step() if o.finished})
+    return arrived, finished, background
+
+
+def test_aging_bounds_the_wait_behind_a_stream_of_urgent_requests(qwen2_dir: str) -> None:
+    """The bound: with one seat and every request taking L = 2 steps, a priority-p request
+    arriving at step a waits only for the requests whose aged priority beats its own:
+    those arriving before it, and priority-0 ones arriving before step a + p * A. So it
+    finishes by step a + L * (that many + 1); no priority-0 request arriving from a + p * A
+    on starts before it finishes."""
+    aging, arrival, stream_steps = 2, 6, 36
+    arrived, finished, background = run_stream_with_one_background_request(
+        qwen2_dir, aging, arrival, stream_steps
+    )
+    horizon = arrival + 5 * aging
+    ahead = [
+        i for i, step in arrived.items()
+        if i != background and step < horizon and finished[i] > arrival
+    ]
+    assert finished[background] <= arrival + 2 * (len(ahead) + 1)
+    behind = [i for i, step in arrived.items() if step >= horizon and i != background]
+    assert all(finished[i] > finished[background] for i in behind)
+    assert finished[background] < stream_steps  # served while the stream still flows
+    # Without aging the same request waits for the whole stream to drain.
+    arrived, finished, background = run_stream_with_one_background_request(
+        qwen2_dir, 0, arrival, stream_steps // 2
+    )
+    assert finished[background] == max(finished.values())
+
+
+# --------------------------------------------------------------------------- outputs
+def test_priorities_and_preemptions_never_change_outputs(qwen2_dir: str) -> None:
+    prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38, 29, 47], seed=45)
+    priorities = [random.Random(46).randrange(4) for _ in prompts]
+    options = dict(num_pages=12, chunk_size=48, max_num_seqs=4)
+    fcfs = LLM(qwen2_dir, **options).generate(prompts, greedy(20))
+    llm = LLM(qwen2_dir, scheduling_policy="priority", priority_aging_steps=8, **options)
+    outputs = llm.generate(prompts, greedy(20), priority=priorities)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in fcfs]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert llm.stats()["preemptions"] > 0
+
+
+POOL_SIZES = (12, 24)  # pages of 4 tokens, one of them scratch
+
+
+@pytest.fixture(scope="module")
+def tight_engines(qwen2_dir: str) -> dict[int, LLMEngine]:
+    return {
+        num_pages: LLMEngine(
+            qwen2_dir, num_pages=num_pages, page_size=4, chunk_size=16, max_num_seqs=3,
+            scheduling_policy="priority", priority_aging_steps=4,
+        )
+        for num_pages in POOL_SIZES
+    }
+
+
+@pytest.fixture(scope="module")
+def prompt_set(qwen2_dir: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts (some sharing a first page) and each one's first 10 greedy tokens."""
+    prompts = random_prompts(VOCAB, [1, 4, 7, 12, 18, 25, 30], seed=47)
+    prompts += [prompts[4][:8] + tail for tail in random_prompts(VOCAB, [3, 14], seed=48)]
+    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate(prompts, greedy(10))
+    return prompts, [o.token_ids for o in expected]
+
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 8), st.integers(0, 3), st.integers(1, 10)),
+        st.tuples(st.just("abort"), st.integers(0, 100)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    ),
+    min_size=5,
+    max_size=25,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS, pool=st.sampled_from(POOL_SIZES))
+def test_random_prioritized_workload(tight_engines, prompt_set, actions, pool: int) -> None:
+    """Random priorities and arrival times, aborts, a tiny pool: after every step every
+    page is free, cached or in use; every request finishes; every output is the plain
+    greedy one."""
+    engine = tight_engines[pool]
+    prompts, expected = prompt_set
+    added: dict[str, tuple[int, int]] = {}  # request id → (prompt, max_tokens)
+    finished: dict[str, list[int] | None] = {}  # request id → tokens (None: aborted)
+    for action in actions:
+        if action[0] == "add":
+            _, prompt, priority, max_tokens = action
+            request_id = engine.add_request(prompts[prompt], greedy(max_tokens), priority=priority)
+            added[request_id] = (prompt, max_tokens)
+        elif action[0] == "abort" and added:
+            output = engine.abort(list(added)[action[1] % len(added)])
+            if output is not None:
+                finished[output.request_id] = None
+        else:
+            for _ in range(action[1]):
+                finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+                check_page_accounting(engine)
+    finished.update({i: o.token_ids for i, o in run_to_completion(engine).items()})
+    assert set(finished) == set(added), "a request was lost"
+    for request_id, tokens in finished.items():
+        prompt, max_tokens = added[request_id]
+        if tokens is not None:
+            assert tokens == expected[prompt][:max_tokens]
+    stats = engine.stats()
+    assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
+    engine.reset_prefix_cache()
+    assert engine.stats()["pages_free"] == engine.pool.num_usable_pages
