@@ -1,6 +1,7 @@
 """Priority scheduling: who runs first, who is preempted, that nothing starves, and that
 none of it changes a single output token or loses a page."""
 
+import itertools
 import random
 from fractions import Fraction
 
@@ -156,26 +157,60 @@ def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_step
 
 
 def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, max_num_seqs=2, scheduling_policy="priority")
-    prompts = random_prompts(VOCAB, [10, 11, 6, 7, 8], seed=42)
-    first, second = (engine.add_request(p, greedy(20), priority=1) for p in prompts[:2])
+    engine = LLMEngine(qwen2_dir, max_num_seqs=3, scheduling_policy="priority")
+    prompts = iter(random_prompts(VOCAB, [10, 11, 12, 6, 7, 8, 9], seed=42))
+    low = engine.add_request(next(prompts), greedy(20), priority=2)
     engine.step()
-    later = [engine.add_request(p, greedy(3), priority=q) for p, q in zip(prompts[2:4], [1, 2])]
+    middle = [engine.add_request(next(prompts), greedy(20), priority=1) for _ in range(2)]
+    engine.step()
+    running = {low, *middle}
+    later = [engine.add_request(next(prompts), greedy(3), priority=q) for q in (2, 3)]
     for _ in range(3):
-        moved = {output.request_id for output in engine.step()}
-        assert moved == {first, second}
+        assert {output.request_id for output in engine.step()} == running
     assert engine.stats()["preemptions"] == 0
-    urgent = engine.add_request(prompts[4], greedy(3), priority=0)
-    moved = {output.request_id for output in engine.step()}
-    # The latest arrival among the least urgent gives up its seat, and the newcomer
-    # gets its first token in the same step.
-    assert moved == {first, urgent}
-    assert engine.requests[second].status is Status.WAITING
+    # The least urgent request gives up its seat, though it was admitted first; then the
+    # latest arrival among the equally urgent. Each newcomer gets a token at once.
+    urgent = []
+    for victim in (low, middle[1]):
+        urgent.append(engine.add_request(next(prompts), greedy(3), priority=0))
+        running = running - {victim} | {urgent[-1]}
+        assert {output.request_id for output in engine.step()} == running
+        assert engine.requests[victim].status is Status.WAITING
     stats = engine.stats()
-    assert stats["preemptions_by_cause"] == {"kv_pages": 0, "max_num_seqs": 1}
-    assert stats["preemptions"] == 1
-    order = finish_order(engine)
-    assert order.index(urgent) < order.index(second) < order.index(later[0]) < order.index(later[1])
+    assert stats["preemptions_by_cause"] == {"kv_pages": 0, "max_num_seqs": 2}
+    assert stats["preemptions"] == 2
+    # The waiting ones resume by urgency: each gets its next token in a later step.
+    resumed: dict[str, int] = {}
+    for step in itertools.count():
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            resumed.setdefault(output.request_id, step)
+    queue = [middle[1], low, *later]
+    assert sorted(queue, key=resumed.__getitem__) == queue
+    assert len({resumed[i] for i in queue}) == len(queue)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
+    qwen2_dir: str, policy: str
+) -> None:
+    engine = LLMEngine(qwen2_dir, max_num_seqs=2, scheduling_policy=policy)
+    first, other = random_prompts(VOCAB, [40, 7], seed=49)
+    sharing = first[:32] + [3, 4, 5]
+    ids = [engine.add_request(p, greedy(6)) for p in (first, sharing, other)]
+    # `sharing` waits a step for the pages `first` is computing; `other`, which arrived
+    # after it, takes the second seat meanwhile and keeps it.
+    engine.step()
+    engine.step()
+    assert [engine.requests[i].status for i in ids] == [
+        Status.RUNNING, Status.WAITING, Status.RUNNING
+    ]
+    final = run_to_completion(engine)
+    assert engine.stats()["preemptions"] == 0
+    assert final[ids[1]].num_cached_tokens == 32
+    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate([first, sharing, other], greedy(6))
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
