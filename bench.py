@@ -6,13 +6,19 @@
 **The workload** is synthetic and fixed by `--seed`: prompts of random token ids (special
 tokens left out) with lengths drawn uniformly from `[--min-input, --max-input]`, and for each
 an output length from `[--min-output, --max-output]`, generated greedily with `ignore_eos`, so
-every run does exactly the same work. Three scenarios:
+every run does exactly the same work. Four scenarios:
 
 * `random`: independent prompts, all submitted at once (an offline batch job).
 * `shared-prefix`: the same, but every prompt starts with the same `--min-input` tokens (a
   shared system prompt), which the prefix cache should serve after the first request.
 * `multi-turn`: conversations of `--turns` turns; turn N+1 is submitted when turn N finishes
   and its prompt is turn N's prompt, then its answer, then new tokens (a chat).
+* `priority`: background jobs and urgent requests. Three in four requests are background
+  (priority 1): prompts and outputs from the upper three quarters of the length ranges,
+  all submitted at once. The rest are urgent (priority 0): short prompts and outputs from
+  the lowest quarter, arriving one every few steps over about one background lifetime.
+  It runs twice, under the fcfs and the priority scheduling policies, and reports the
+  time to first token of each priority under each.
 
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
@@ -60,7 +66,11 @@ from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.loader import resolve_model_path
 
-SCENARIOS = ("random", "shared-prefix", "multi-turn")
+SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority")
+# The priority scenario: one request in URGENT_EVERY is urgent.
+URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
+# What the priority scenario compares, in the order it runs them.
+COMPARED_POLICIES = ("fcfs", "priority")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -103,6 +113,8 @@ class Turn:
 
     new_token_ids: list[int]  # appended to the conversation so far (all of it, for turn 1)
     output_len: int
+    priority: int = 0
+    arrival_step: int = 0  # a first turn is submitted before this engine step (0: at once)
 
 
 Session = list[Turn]  # a conversation; the random scenarios have one turn per session
@@ -123,6 +135,8 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
 
     if workload.scenario == "random":
         return [[Turn(tokens(input_len()), output_len())] for _ in range(workload.num_seqs)]
+    if workload.scenario == "priority":
+        return priority_sessions(workload, rng, token_ids)
     if workload.scenario == "shared-prefix":
         prefix = tokens(workload.min_input)
         return [
@@ -133,6 +147,32 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
     for first in range(0, workload.num_seqs, workload.turns):
         num_turns = min(workload.turns, workload.num_seqs - first)
         sessions.append([Turn(tokens(input_len()), output_len()) for _ in range(num_turns)])
+    return sessions
+
+
+def priority_sessions(
+    workload: Workload, rng: random.Random, token_ids: Sequence[int]
+) -> list[Session]:
+    """Background requests from the upper three quarters of the length ranges, at once;
+    urgent ones from the lowest quarter, spread over about one background output length."""
+    input_quarter = workload.min_input + (workload.max_input - workload.min_input) // 4
+    output_quarter = workload.min_output + (workload.max_output - workload.min_output) // 4
+    num_urgent = workload.num_seqs // URGENT_EVERY
+    gap = max(1, (output_quarter + workload.max_output) // 2 // max(num_urgent, 1))
+
+    def turn(inputs: tuple[int, int], outputs: tuple[int, int], priority: int, step: int) -> Turn:
+        prompt = rng.choices(token_ids, k=rng.randint(*inputs))
+        return Turn(prompt, rng.randint(*outputs), priority, step)
+
+    sessions = []
+    for index in range(workload.num_seqs):
+        if index % URGENT_EVERY == URGENT_EVERY - 1:
+            arrival = (index // URGENT_EVERY) * gap
+            short = (workload.min_input, input_quarter), (workload.min_output, output_quarter)
+            sessions.append([turn(*short, URGENT_PRIORITY, arrival)])
+        else:
+            long = (input_quarter, workload.max_input), (output_quarter, workload.max_output)
+            sessions.append([turn(*long, BACKGROUND_PRIORITY, 0)])
     return sessions
 
 
@@ -156,6 +196,7 @@ class RequestTiming:
 
     prompt_token_ids: list[int]
     output_len: int  # requested
+    priority: int
     submitted: float
     first_token: float | None = None
     finished: float | None = None
@@ -172,21 +213,29 @@ class EngineRun:
     kv_pages_total: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    preemptions: int
+    preemptions: dict[str, int]  # by cause
 
 
 class SessionDriver:
-    """Feeds conversations to the engine: first turns at once, each next turn on a finish."""
+    """Feeds conversations to the engine: first turns at their arrival step, each next turn
+    when the one before it finishes."""
 
     def __init__(self, engine: LLMEngine, sessions: Sequence[Session]) -> None:
         self.engine = engine
         self.sessions = sessions
         self.records: dict[str, RequestTiming] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
+        # Conversations not started yet, the next to arrive last.
+        self.pending = sorted(
+            range(len(sessions)), key=lambda s: sessions[s][0].arrival_step, reverse=True
+        )
+        # An fcfs engine refuses priorities; it serves every request as equal anyway.
+        self._use_priorities = engine.config.scheduling_policy == "priority"
 
-    def start(self) -> None:
-        for session in range(len(self.sessions)):
-            self._submit(session, 0, history=[])
+    def submit_arrivals(self, step: int) -> None:
+        """Start every conversation whose first turn arrives by engine step `step`."""
+        while self.pending and self.sessions[self.pending[-1]][0].arrival_step <= step:
+            self._submit(self.pending.pop(), 0, history=[])
 
     def record(self, output: RequestOutput, now: float) -> None:
         """Note what a step did for one request; a finished turn submits the next one."""
@@ -204,8 +253,11 @@ class SessionDriver:
         spec = self.sessions[session][turn]
         prompt = history + spec.new_token_ids
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-        request_id = self.engine.add_request(prompt, params)
-        self.records[request_id] = RequestTiming(prompt, spec.output_len, time.perf_counter())
+        priority = spec.priority if self._use_priorities else 0
+        request_id = self.engine.add_request(prompt, params, priority=priority)
+        self.records[request_id] = RequestTiming(
+            prompt, spec.output_len, spec.priority, time.perf_counter()
+        )
         self._position[request_id] = (session, turn)
 
 
@@ -225,8 +277,8 @@ def run_engine(
     driver = SessionDriver(engine, sessions)
     peak_pages = steps = generated = 0
     start = time.perf_counter()
-    driver.start()
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or driver.pending:
+        driver.submit_arrivals(steps)
         outputs = engine.step()
         steps += 1
         now = time.perf_counter()
@@ -247,7 +299,10 @@ def run_engine(
         kv_pages_total=after["pages_total"],
         prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
         prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
-        preemptions=after["preemptions"] - before["preemptions"],
+        preemptions={
+            cause: count - before["preemptions_by_cause"][cause]
+            for cause, count in after["preemptions_by_cause"].items()
+        },
     )
 
 
@@ -299,15 +354,27 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
     ]
     input_tokens = sum(len(r.prompt_token_ids) for r in records)
     output_tokens = sum(r.num_output_tokens for r in records)
+    ttft_by_priority = {
+        str(priority): latency_ms(
+            [
+                r.first_token - r.submitted
+                for r in records
+                if r.priority == priority and r.first_token is not None
+            ]
+        )
+        for priority in sorted({r.priority for r in records})
+    }
     return {
         **throughput(len(records), input_tokens, output_tokens, run.wall_s),
         "ttft_ms": latency_ms(ttft),
+        "ttft_by_priority_ms": ttft_by_priority,
         "tpot_ms": latency_ms(tpot),
         "e2e_ms": latency_ms(e2e),
         "peak_kv_pages": run.peak_kv_pages,
         "kv_pages_total": run.kv_pages_total,
         "prefix_hit_rate": run.prefix_hit_tokens / max(run.prefix_query_tokens, 1),
-        "preemptions": run.preemptions,
+        "preemptions": sum(run.preemptions.values()),
+        "preemptions_by_cause": run.preemptions,
         "steps": run.steps,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
     }
@@ -370,12 +437,15 @@ def print_report(console: Console, result: Metrics) -> None:
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
         f"{settings['threads']} torch threads), "
-        f"scenario {settings['scenario']}, median of {settings['rounds']} round(s)"
+        f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
+        f"scheduling, median of {settings['rounds']} round(s)"
     )
     console.print(
         _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
     )
     console.print(_phase_table(result["nanoqwen"]))
+    if "policies" in result:
+        console.print(_policy_table(result["policies"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
@@ -391,9 +461,7 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
             row += [fmt.format(baseline[key]), f"{speedup:.2f}x" if key == "output_tok_s" else ""]
         table.add_row(*row)
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
-        table.add_row(
-            f"{name} P50 / P95 (ms)", f"{engine[key]['p50']:.1f} / {engine[key]['p95']:.1f}"
-        )
+        table.add_row(f"{name} P50 / P95 (ms)", _p50_p95(engine[key]))
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
@@ -413,6 +481,31 @@ def _phase_table(engine: Metrics) -> Table:
             f"{phase['share']:.1%}",
         )
     return table
+
+
+def _policy_table(policies: dict[str, Metrics]) -> Table:
+    """The same workload under each scheduling policy: latency by priority, side by side."""
+    table = Table(title="Scheduling policies on the same workload")
+    table.add_column("metric")
+    for policy in policies:
+        table.add_column(policy, justify="right")
+    columns = list(policies.values())
+    for priority in columns[0]["ttft_by_priority_ms"]:
+        table.add_row(
+            f"TTFT P50 / P95 (ms), priority {priority}",
+            *(_p50_p95(figures["ttft_by_priority_ms"][priority]) for figures in columns),
+        )
+    table.add_row("end-to-end P50 / P95 (ms)", *(_p50_p95(f["e2e_ms"]) for f in columns))
+    table.add_row("output tok/s", *(f"{f['output_tok_s']:.1f}" for f in columns))
+    for cause in columns[0]["preemptions_by_cause"]:
+        table.add_row(
+            f"preemptions ({cause})", *(str(f["preemptions_by_cause"][cause]) for f in columns)
+        )
+    return table
+
+
+def _p50_p95(latency: dict[str, float]) -> str:
+    return f"{latency['p50']:.1f} / {latency['p95']:.1f}"
 
 
 def _decode_table(decode: Metrics) -> Table:
@@ -491,6 +584,7 @@ def engine_settings(engine: LLMEngine) -> Metrics:
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "priority_aging_steps": config.priority_aging_steps,
     }
 
 
@@ -509,11 +603,18 @@ def make_progress(console: Console) -> Progress:
 
 def assemble_result(
     settings: Metrics,
-    engine_rounds: list[Metrics],
+    rounds_by_policy: dict[str, list[Metrics]],
     baseline_rounds: list[Metrics] | None,
     decode: Metrics | None,
 ) -> Metrics:
+    """The figures of the last policy run are nanoqwen's; with more than one policy, each
+    policy's median round is under "policies" too."""
+    engine_rounds = list(rounds_by_policy.values())[-1]
     result: Metrics = {"settings": settings, "nanoqwen": median_round(engine_rounds)}
+    if len(rounds_by_policy) > 1:
+        result["policies"] = {
+            policy: median_round(rounds) for policy, rounds in rounds_by_policy.items()
+        }
     rounds: Metrics = {"nanoqwen": engine_rounds}
     if baseline_rounds is not None:
         result["transformers"] = median_round(baseline_rounds)
@@ -612,8 +713,9 @@ def main(
     with status_console.status("preparing the model"):
         model_dir = resolve_model(model, random_weights)
     options = pop_engine_options(engine_option_values)
+    policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
-        engine, timer = load_engine(model_dir, options)
+        engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
     check_fits(engine, sessions, decode_batch)
@@ -623,32 +725,37 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
+        "scheduling_policies": list(policies),
         **engine_settings(engine),
     }
-    runs: list[EngineRun] = []
+    runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     baseline_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
         for index in range(rounds):
-            # Each round has a fresh engine and a fresh transformers process, one after the
-            # other, so a machine that gets busier or quieter affects both alike.
-            if engine is None:
-                engine, timer = load_engine(model_dir, options)
-            warm_up(engine, token_ids)
-            description = f"nanoqwen, round {index + 1}"
-            runs.append(run_engine(engine, timer, sessions, progress, description))
-            if decode_batch is not None and index == rounds - 1:
-                decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
-            engine = None
-            free_memory()  # on a GPU the engine holds most of it, transformers needs some
+            # Each round has a fresh engine (per policy) and a fresh transformers process,
+            # one after the other, so a machine that gets busier or quieter affects all alike.
+            for policy in policies:
+                if engine is None:
+                    engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policy})
+                warm_up(engine, token_ids)
+                label = f", {policy}" if len(policies) > 1 else ""
+                description = f"nanoqwen{label}, round {index + 1}"
+                runs[policy].append(run_engine(engine, timer, sessions, progress, description))
+                if decode_batch is not None and index == rounds - 1 and policy == policies[-1]:
+                    decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
+                engine = None
+                free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if compare == "hf":
-                requests = [
-                    (record.prompt_token_ids, record.output_len) for record in runs[0].records
-                ]
+                records = runs[policies[0]][0].records
+                requests = [(record.prompt_token_ids, record.output_len) for record in records]
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
-    engine_rounds = [summarize_engine_run(run) for run in runs]
-    result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode)
+    rounds_by_policy = {
+        policy: [summarize_engine_run(run) for run in policy_runs]
+        for policy, policy_runs in runs.items()
+    }
+    result = assemble_result(settings, rounds_by_policy, baseline_rounds or None, decode)
     print_report(console, result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
