@@ -85,10 +85,11 @@ class EngineConfig:
     # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
     attention_backend: str | None = None
     # "fcfs" serves requests in arrival order; "priority" by each request's priority
-    # (lower first), improved by one level per `priority_aging_steps` steps spent waiting
-    # (0: no aging). See waiting_queue.py.
+    # (lower first), improved by one level per `priority_aging_steps` steps since it
+    # arrived (0: no aging), so one level is worth that many steps of waiting. The default
+    # is about one long request's lifetime in decode steps. See waiting_queue.py.
     scheduling_policy: str = "fcfs"
-    priority_aging_steps: int = 64
+    priority_aging_steps: int = 1024
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)

@@ -19,7 +19,8 @@ requests at the same step `t`, multiply by `aging_steps` (positive) and add `t`:
 `t` cancels: the order between two requests is the same at every step. So the key
 `priority * aging_steps + arrival_step`, computed once at arrival, orders the requests
 exactly as their effective priorities do at any step, and a heap keyed by it never needs
-updating. Arrival order breaks ties. (Aging by whole levels, `priority - floor((t - a) /
+updating. Arrival order breaks ties. Read the key as a virtual arrival step: priority `p`
+means "serve me as if I had arrived `p * aging_steps` steps later than I did". (Aging by whole levels, `priority - floor((t - a) /
 aging_steps)`, has no such key: whether two requests tie then depends on where `t` falls
 between multiples of `aging_steps`, so its order changes over time. The linear rule
 above gains exactly one level per `aging_steps` steps too, and is never more than one

@@ -133,13 +133,13 @@ def test_command_line_options() -> None:
     assert result.exit_code == 0, result.output
     assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("priority", 8)
     runner.invoke(command, [])
-    assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("fcfs", 64)
+    assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("fcfs", 1024)
     assert runner.invoke(command, ["--scheduling-policy", "lifo"]).exit_code == 2
     assert runner.invoke(command, ["--priority-aging-steps", "-1"]).exit_code == 2
 
 
 # --------------------------------------------------------------------------- order
-@pytest.mark.parametrize("aging_steps", [0, 64])
+@pytest.mark.parametrize("aging_steps", [0, 1024])
 def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_steps: int) -> None:
     engine = LLMEngine(
         qwen2_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
