@@ -415,7 +415,7 @@ def banner(llm: LLM, model: str, sampling: dict[str, Any], load_seconds: float) 
     return (
         f"[bold]{escape(model)}[/] on {config.device} ({dtype}) · "
         f"{stats['pages_total'] * stats['page_size']:,} tokens of KV cache "
-        f"({decimal(llm.engine.pool.kv.nbytes)}) · loaded in {load_seconds:.1f} s\n"
+        f"({decimal(stats['kv_cache_bytes'])}) · loaded in {load_seconds:.1f} s\n"
         f"[dim]sampling: {escape(settings)}[/]"
     )
 
