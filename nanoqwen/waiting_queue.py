@@ -2,9 +2,9 @@
 
 A request has a `priority` (lower is more urgent, 0 by default). Served strictly by
 priority, a request behind a steady stream of more urgent ones would wait forever, so
-priorities *age*: a waiting request's effective priority improves by one level every
-`aging_steps` scheduler steps. Precisely, at step `t` a request that arrived at step `a`
-has the effective priority
+priorities *age*: a request's effective priority improves by one level every
+`aging_steps` scheduler steps after it arrives. Precisely, at step `t` a request that
+arrived at step `a` has the effective priority
 
     effective(t) = priority - (t - a) / aging_steps
 
@@ -20,19 +20,20 @@ requests at the same step `t`, multiply by `aging_steps` (positive) and add `t`:
 `priority * aging_steps + arrival_step`, computed once at arrival, orders the requests
 exactly as their effective priorities do at any step, and a heap keyed by it never needs
 updating. Arrival order breaks ties. Read the key as a virtual arrival step: priority `p`
-means "serve me as if I had arrived `p * aging_steps` steps later than I did". (Aging by whole levels, `priority - floor((t - a) /
-aging_steps)`, has no such key: whether two requests tie then depends on where `t` falls
-between multiples of `aging_steps`, so its order changes over time. The linear rule
-above gains exactly one level per `aging_steps` steps too, and is never more than one
-level away from it.)
+means "serve me as if I had arrived `p * aging_steps` steps later than I did".
+
+(Aging by whole levels, `priority - floor((t - a) / aging_steps)`, has no such key:
+whether two requests tie then depends on where `t` falls between multiples of
+`aging_steps`, so their order changes over time. The linear rule gains one level per
+`aging_steps` steps too, and is never a whole level away from it.)
 
 With `aging_steps = 0` aging is off and the key is the priority itself. First come first
-served is the same machinery with every key equal: arrival order alone decides.
+served is the same machinery with every request at level 0: arrival order alone decides.
 
-A key is computed once, when a request arrives, and it stays with the request when it
-runs: the scheduler compares running requests' keys with waiting ones' to choose whom to
-preempt (`scheduler.py`), so a request that has waited long enough outranks every later
-arrival, and cannot be pushed out by them either.
+The key stays with a request while it runs: the scheduler compares running requests'
+keys with waiting ones' to choose whom to preempt (`scheduler.py`). So a request that
+has waited long enough outranks every later arrival, and cannot be pushed out by them
+either: that is what bounds its wait.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ def test_command_line_options() -> None:
         seen.update(pop_engine_options(options))
 
     runner = CliRunner()
-    result = runner.invoke(command, ["--scheduling-policy", "priority", "--priority-aging-steps", "8"])
+    options = ["--scheduling-policy", "priority", "--priority-aging-steps", "8"]
+    result = runner.invoke(command, options)
     assert result.exit_code == 0, result.output
     assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("priority", 8)
     runner.invoke(command, [])
@@ -209,7 +210,8 @@ def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
     final = run_to_completion(engine)
     assert engine.stats()["preemptions"] == 0
     assert final[ids[1]].num_cached_tokens == 32
-    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate([first, sharing, other], greedy(6))
+    plain = LLM(qwen2_dir, enable_prefix_cache=False)
+    expected = plain.generate([first, sharing, other], greedy(6))
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
 
 
@@ -232,7 +234,8 @@ def test_urgent_request_takes_pages_only_under_priority(qwen2_dir: str, policy: 
     else:
         assert urgent not in moved
     final = run_to_completion(engine)
-    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate(prompts, [greedy(7)] * 2 + [greedy(3)])
+    plain = LLM(qwen2_dir, enable_prefix_cache=False)
+    expected = plain.generate(prompts, [greedy(7)] * 2 + [greedy(3)])
     assert [final[i].token_ids for i in [*background, urgent]] == [o.token_ids for o in expected]
     assert engine.stats()["preemptions"] == (1 if policy == "priority" else 0)
 
@@ -336,7 +339,9 @@ ACTIONS = st.lists(
 )
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(actions=ACTIONS, pool=st.sampled_from(POOL_SIZES))
 def test_random_prioritized_workload(tight_engines, prompt_set, actions, pool: int) -> None:
     """Random priorities and arrival times, aborts, a tiny pool: after every step every
