@@ -12,7 +12,7 @@ ENGINE_STATS: dict[str, Any] = {
     "running": 2, "waiting": 4,
     "prompt_tokens": 120, "generated_tokens": 64,
     "prefix_query_tokens": 100, "prefix_hit_tokens": 48,
-    "preemptions": 1,
+    "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
 }
 
 
@@ -38,7 +38,10 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_generation_tokens_total", ())] == 64
     assert page[("nanoqwen_prefix_cache_query_tokens_total", ())] == 100
     assert page[("nanoqwen_prefix_cache_hit_tokens_total", ())] == 48
-    assert page[("nanoqwen_preemptions_total", ())] == 1
+    assert page[("nanoqwen_preemptions_total", ())] == 3
+    by_cause = "nanoqwen_preemptions_by_cause_total"
+    assert page[(by_cause, (("cause", "kv_pages"),))] == 1
+    assert page[(by_cause, (("cause", "max_num_seqs"),))] == 2
 
 
 def test_engine_stats_are_read_at_every_scrape() -> None:

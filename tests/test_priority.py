@@ -1,5 +1,5 @@
-"""Priority scheduling: who runs first, who is preempted, that nothing starves, and that
-none of it changes a single output token or loses a page."""
+"""Priority scheduling: who runs first, who is preempted, that nothing starves, that none
+of it changes a single output token or loses a page, and the server's `priority` field."""
 
 import itertools
 import random
@@ -17,6 +17,10 @@ from nanoqwen.config import EngineConfig
 from nanoqwen.request import Request, Status
 from nanoqwen.waiting_queue import WaitingQueue, urgency
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+from server_helpers import (
+    GREEDY, LONG_RUNNING, MESSAGES, call, open_stream, running_server, scrape, slow_down,
+    wait_until,
+)
 
 VOCAB = 800
 
@@ -374,3 +378,33 @@ def test_random_prioritized_workload(tight_engines, prompt_set, actions, pool: i
     assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
     engine.reset_prefix_cache()
     assert engine.stats()["pages_free"] == engine.pool.num_usable_pages
+
+
+# --------------------------------------------------------------------------- the server
+def test_server_takes_a_priority_on_both_routes(qwen2_dir: str) -> None:
+    completion = {"prompt": "the quick brown fox", **GREEDY}
+    chat = {"messages": MESSAGES, **GREEDY}
+    routes = {"/v1/completions": completion, "/v1/chat/completions": chat}
+    with running_server(qwen2_dir, scheduling_policy="priority", max_num_seqs=1) as server:
+        for path, body in routes.items():
+            for bad in ("1", 1.5, True, [0]):
+                status, _, error = call(server, "POST", path, {**body, "priority": bad})
+                assert (status, error["error"]["param"]) == (400, "priority"), error
+            assert call(server, "POST", path, {**body, "priority": -3})[0] == 200
+        # An urgent request takes the only seat from a background one, at once.
+        slow_down(server)
+        background = {"prompt": "the quick", **LONG_RUNNING, "priority": 5}
+        stream = open_stream(server, "/v1/completions", background)
+        wait_until(lambda: scrape(server)["nanoqwen_requests_running"] == 1)
+        assert call(server, "POST", "/v1/completions", {**completion, "priority": 0})[0] == 200
+        samples = scrape(server)
+        assert samples['nanoqwen_preemptions_by_cause_total{cause="max_num_seqs"}'] == 1
+        assert samples['nanoqwen_preemptions_by_cause_total{cause="kv_pages"}'] == 0
+        assert samples["nanoqwen_preemptions_total"] == 1
+        stream.close()
+    with running_server(qwen2_dir) as fcfs_server:
+        for path, body in routes.items():
+            status, _, error = call(fcfs_server, "POST", path, {**body, "priority": 1})
+            assert (status, error["error"]["param"]) == (400, "priority")
+            assert "scheduling_policy" in error["error"]["message"]
+            assert call(fcfs_server, "POST", path, {**body, "priority": 0})[0] == 200
