@@ -192,13 +192,16 @@ def prompt_token_ids(model_dir: str, model_vocab_size: int) -> list[int]:
 # --------------------------------------------------------------------------- running the engine
 @dataclass
 class RequestTiming:
-    """When one request was submitted, got its first token and finished."""
+    """When one request was submitted, got its first token and finished: in seconds, and
+    (for the first two) in engine steps run so far."""
 
     prompt_token_ids: list[int]
     output_len: int  # requested
     priority: int
     submitted: float
+    submitted_step: int
     first_token: float | None = None
+    first_token_step: int | None = None
     finished: float | None = None
     num_output_tokens: int = 0
 
@@ -235,28 +238,30 @@ class SessionDriver:
     def submit_arrivals(self, step: int) -> None:
         """Start every conversation whose first turn arrives by engine step `step`."""
         while self.pending and self.sessions[self.pending[-1]][0].arrival_step <= step:
-            self._submit(self.pending.pop(), 0, history=[])
+            self._submit(self.pending.pop(), 0, [], step)
 
-    def record(self, output: RequestOutput, now: float) -> None:
-        """Note what a step did for one request; a finished turn submits the next one."""
+    def record(self, output: RequestOutput, now: float, steps: int) -> None:
+        """Note what a step (the `steps`-th) did for one request; a finished turn submits
+        the next one."""
         record = self.records[output.request_id]
         if output.delta_token_ids and record.first_token is None:
-            record.first_token = now
+            record.first_token, record.first_token_step = now, steps
         record.num_output_tokens += len(output.delta_token_ids)
         if output.finished:
             record.finished = now
             session, turn = self._position[output.request_id]
             if turn + 1 < len(self.sessions[session]):
-                self._submit(session, turn + 1, history=record.prompt_token_ids + output.token_ids)
+                history = record.prompt_token_ids + output.token_ids
+                self._submit(session, turn + 1, history, steps)
 
-    def _submit(self, session: int, turn: int, history: list[int]) -> None:
+    def _submit(self, session: int, turn: int, history: list[int], step: int) -> None:
         spec = self.sessions[session][turn]
         prompt = history + spec.new_token_ids
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         priority = spec.priority if self._use_priorities else 0
         request_id = self.engine.add_request(prompt, params, priority=priority)
         self.records[request_id] = RequestTiming(
-            prompt, spec.output_len, spec.priority, time.perf_counter()
+            prompt, spec.output_len, spec.priority, time.perf_counter(), step
         )
         self._position[request_id] = (session, turn)
 
@@ -283,7 +288,7 @@ def run_engine(
         steps += 1
         now = time.perf_counter()
         for output in outputs:
-            driver.record(output, now)
+            driver.record(output, now, steps)
             generated += len(output.delta_token_ids)
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
@@ -328,8 +333,12 @@ def percentile(values: Sequence[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def latency_ms(values: Sequence[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50) * 1000, "p95": percentile(values, 95) * 1000}
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+def latency_ms(seconds: Sequence[float]) -> dict[str, float]:
+    return {name: value * 1000 for name, value in percentiles(seconds).items()}
 
 
 def throughput(requests: int, input_tokens: int, output_tokens: int, wall_s: float) -> Metrics:
@@ -354,20 +363,24 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
     ]
     input_tokens = sum(len(r.prompt_token_ids) for r in records)
     output_tokens = sum(r.num_output_tokens for r in records)
+    started = [r for r in records if r.first_token is not None]
+    priorities = sorted({r.priority for r in started})
     ttft_by_priority = {
-        str(priority): latency_ms(
-            [
-                r.first_token - r.submitted
-                for r in records
-                if r.priority == priority and r.first_token is not None
-            ]
+        str(p): latency_ms([r.first_token - r.submitted for r in started if r.priority == p])
+        for p in priorities
+    }
+    # Steps, unlike seconds, do not depend on the machine: the policy's own effect.
+    ttft_steps_by_priority = {
+        str(p): percentiles(
+            [r.first_token_step - r.submitted_step for r in started if r.priority == p]
         )
-        for priority in sorted({r.priority for r in records})
+        for p in priorities
     }
     return {
         **throughput(len(records), input_tokens, output_tokens, run.wall_s),
         "ttft_ms": latency_ms(ttft),
         "ttft_by_priority_ms": ttft_by_priority,
+        "ttft_by_priority_steps": ttft_steps_by_priority,
         "tpot_ms": latency_ms(tpot),
         "e2e_ms": latency_ms(e2e),
         "peak_kv_pages": run.peak_kv_pages,
@@ -491,10 +504,11 @@ def _policy_table(policies: dict[str, Metrics]) -> Table:
         table.add_column(policy, justify="right")
     columns = list(policies.values())
     for priority in columns[0]["ttft_by_priority_ms"]:
-        table.add_row(
-            f"TTFT P50 / P95 (ms), priority {priority}",
-            *(_p50_p95(figures["ttft_by_priority_ms"][priority]) for figures in columns),
-        )
+        for unit in ("ms", "steps"):
+            table.add_row(
+                f"TTFT P50 / P95 ({unit}), priority {priority}",
+                *(_p50_p95(f[f"ttft_by_priority_{unit}"][priority]) for f in columns),
+            )
     table.add_row("end-to-end P50 / P95 (ms)", *(_p50_p95(f["e2e_ms"]) for f in columns))
     table.add_row("output tok/s", *(f"{f['output_tok_s']:.1f}" for f in columns))
     for cause in columns[0]["preemptions_by_cause"]:

@@ -133,6 +133,9 @@ def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) ->
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] == 0.0  # random prompts share no page
     assert result["nanoqwen"]["ttft_by_priority_ms"] == {"0": result["nanoqwen"]["ttft_ms"]}
+    # All submitted at once: the first prefills in the first step, none waits for ever.
+    steps = result["nanoqwen"]["ttft_by_priority_steps"]["0"]
+    assert 1 <= steps["p50"] <= steps["p95"] <= result["nanoqwen"]["steps"]
     assert "policies" not in result
     decode = result["decode"]
     assert decode["batch_size"] == 4 and decode["context_tokens"] == spec.min_input
@@ -173,11 +176,15 @@ def test_priority_scenario_runs_both_policies(tmp_path: Path, qwen2_dir: str) ->
     for key in ("requests", "input_tokens", "output_tokens"):
         assert priority[key] == fcfs[key]
     for figures in (fcfs, priority):
-        by_priority = figures["ttft_by_priority_ms"]
-        assert set(by_priority) == {"0", "1"}
-        assert all(0 < latency["p50"] <= latency["p95"] for latency in by_priority.values())
+        for unit in ("ms", "steps"):
+            by_priority = figures[f"ttft_by_priority_{unit}"]
+            assert set(by_priority) == {"0", "1"}
+            assert all(0 < latency["p50"] <= latency["p95"] for latency in by_priority.values())
         assert figures["preemptions"] == sum(figures["preemptions_by_cause"].values())
-    # Two urgent requests arrive while two background ones hold both seats.
+    # Under priority scheduling every urgent request gets its first token in the step it
+    # arrives in (taking a background request's seat if need be); under fcfs, one waits.
+    assert priority["ttft_by_priority_steps"]["0"]["p95"] == 1
+    assert fcfs["ttft_by_priority_steps"]["0"]["p95"] > 1
     assert priority["preemptions_by_cause"]["max_num_seqs"] > 0
 
 

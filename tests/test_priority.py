@@ -8,7 +8,7 @@ from fractions import Fraction
 import click
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoqwen import LLM, LLMEngine
@@ -307,77 +307,6 @@ def test_priorities_and_preemptions_never_change_outputs(qwen2_dir: str) -> None
     assert [o.token_ids for o in outputs] == [o.token_ids for o in fcfs]
     assert all(o.finish_reason == "length" for o in outputs)
     assert llm.stats()["preemptions"] > 0
-
-
-POOL_SIZES = (12, 24)  # pages of 4 tokens, one of them scratch
-
-
-@pytest.fixture(scope="module")
-def tight_engines(qwen2_dir: str) -> dict[int, LLMEngine]:
-    return {
-        num_pages: LLMEngine(
-            qwen2_dir, num_pages=num_pages, page_size=4, chunk_size=16, max_num_seqs=3,
-            scheduling_policy="priority", priority_aging_steps=4,
-        )
-        for num_pages in POOL_SIZES
-    }
-
-
-@pytest.fixture(scope="module")
-def prompt_set(qwen2_dir: str) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts (some sharing a first page) and each one's first 10 greedy tokens."""
-    prompts = random_prompts(VOCAB, [1, 4, 7, 12, 18, 25, 30], seed=47)
-    prompts += [prompts[4][:8] + tail for tail in random_prompts(VOCAB, [3, 14], seed=48)]
-    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate(prompts, greedy(10))
-    return prompts, [o.token_ids for o in expected]
-
-
-ACTIONS = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 8), st.integers(0, 3), st.integers(1, 10)),
-        st.tuples(st.just("abort"), st.integers(0, 100)),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-    ),
-    min_size=5,
-    max_size=25,
-)
-
-
-@settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(actions=ACTIONS, pool=st.sampled_from(POOL_SIZES))
-def test_random_prioritized_workload(tight_engines, prompt_set, actions, pool: int) -> None:
-    """Random priorities and arrival times, aborts, a tiny pool: after every step every
-    page is free, cached or in use; every request finishes; every output is the plain
-    greedy one."""
-    engine = tight_engines[pool]
-    prompts, expected = prompt_set
-    added: dict[str, tuple[int, int]] = {}  # request id → (prompt, max_tokens)
-    finished: dict[str, list[int] | None] = {}  # request id → tokens (None: aborted)
-    for action in actions:
-        if action[0] == "add":
-            _, prompt, priority, max_tokens = action
-            request_id = engine.add_request(prompts[prompt], greedy(max_tokens), priority=priority)
-            added[request_id] = (prompt, max_tokens)
-        elif action[0] == "abort" and added:
-            output = engine.abort(list(added)[action[1] % len(added)])
-            if output is not None:
-                finished[output.request_id] = None
-        else:
-            for _ in range(action[1]):
-                finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-                check_page_accounting(engine)
-    finished.update({i: o.token_ids for i, o in run_to_completion(engine).items()})
-    assert set(finished) == set(added), "a request was lost"
-    for request_id, tokens in finished.items():
-        prompt, max_tokens = added[request_id]
-        if tokens is not None:
-            assert tokens == expected[prompt][:max_tokens]
-    stats = engine.stats()
-    assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
-    engine.reset_prefix_cache()
-    assert engine.stats()["pages_free"] == engine.pool.num_usable_pages
 
 
 # --------------------------------------------------------------------------- the server
