@@ -145,9 +145,9 @@ def test_reset_prefix_cache_frees_everything_unused(qwen3_dir: str) -> None:
 
 
 # (policy, KV pages of 4 tokens, one of them scratch, max_num_seqs): fcfs with room for
-# six requests; priority with seats and pages for about three, so both kinds of
+# six requests; priority with two seats and pages for about two, so that both kinds of
 # preemption happen.
-TIGHT_ENGINES = [("fcfs", 24, 6), ("priority", 12, 3)]
+TIGHT_ENGINES = [("fcfs", 24, 6), ("priority", 16, 2)]
 
 
 @pytest.fixture(scope="module", params=TIGHT_ENGINES, ids=lambda p: p[0])
@@ -155,7 +155,7 @@ def tight_engine(request: pytest.FixtureRequest, qwen2_dir: str) -> LLMEngine:
     policy, num_pages, max_num_seqs = request.param
     return LLMEngine(
         qwen2_dir, num_pages=num_pages, page_size=4, chunk_size=24, max_num_seqs=max_num_seqs,
-        scheduling_policy=policy, priority_aging_steps=4,
+        scheduling_policy=policy, priority_aging_steps=16,
     )
 
 
