@@ -73,12 +73,12 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
         self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         config = self.config

@@ -21,7 +21,7 @@ LAYERS = [
         "sampler", "tokenizer", "request", "radix_cache", "attention", "attention_torch",
         "attention_flashinfer", "model", "loader", "batch", "quantization", "gptq_awq",
     },
-    {"cuda_graph", "scheduler", "waiting_queue", "runner"},
+    {"cuda_graph", "memory_profile", "scheduler", "waiting_queue", "runner"},
     {"engine"},
     {"__init__", "cli", "metrics", "server"},
 ]

@@ -81,7 +81,7 @@ def test_int4_checkpoint_stays_int4_in_memory(wide_dirs: dict[str, str], tmp_pat
     """
     packed_dir, dequantized_dir = write_packed_checkpoint(wide_dirs["qwen3"], tmp_path, LAYOUTS["awq-g128"])
     llm = LLM(packed_dir, dtype="bfloat16", num_pages=64)
-    for layer in llm.engine.model.model.layers:
+    for layer in llm.engine.runner.model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             # Half a byte per weight, plus a bfloat16 scale and zero per group of 128.
             weights = linear.weight.numel()

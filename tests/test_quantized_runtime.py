@@ -114,7 +114,7 @@ def test_int4_in_float32_warns_once_and_keeps_full_weights(qwen2_dir: str, caplo
         "int4 weight-only matmuls are fast only in bfloat16, not float32 (use dtype='bfloat16'); "
         "keeping the linear weights in float32"
     ]
-    assert all(type(linear.weight) is nn.Parameter for linear in decoder_linears(llm.engine.model))
+    assert all(type(linear.weight) is nn.Parameter for linear in decoder_linears(llm.engine.runner.model))
     prompt = random_prompts(800, [20], seed=42)[0]
     assert llm.generate([prompt], greedy(10))[0].token_ids == hf_greedy(qwen2_dir, prompt, 10)
 
