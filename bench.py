@@ -449,7 +449,7 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"{settings['threads']} torch threads), "
+        f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
         f"scheduling, median of {settings['rounds']} round(s)"
     )
@@ -588,17 +588,18 @@ def measure_decode(
         raise click.ClickException(str(error)) from None
 
 
-def engine_settings(engine: LLMEngine) -> Metrics:
+def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads,  # in all; tensor-parallel ranks on a CPU share them
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
         "priority_aging_steps": config.priority_aging_steps,
+        "tensor_parallel_size": config.tensor_parallel_size,
     }
 
 
@@ -720,6 +721,7 @@ def main(
     check_workload(workload)
     if threads is not None:
         torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
     # Weight-loading and shard-writing bars of transformers and the hub would cut into ours.
     transformers_logging.disable_progress_bar()
     disable_progress_bars()
@@ -740,7 +742,7 @@ def main(
         "rounds": rounds,
         "compare": compare,
         "scheduling_policies": list(policies),
-        **engine_settings(engine),
+        **engine_settings(engine, threads),
     }
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     baseline_rounds: list[Metrics] = []
@@ -758,6 +760,7 @@ def main(
                 runs[policy].append(run_engine(engine, timer, sessions, progress, description))
                 if decode_batch is not None and index == rounds - 1 and policy == policies[-1]:
                     decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
+                engine.shutdown()  # stops the other tensor-parallel ranks, if any
                 engine = None
                 free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if compare == "hf":

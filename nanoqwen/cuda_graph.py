@@ -120,9 +120,11 @@ class DecodeGraphRunner:
             max_kv_len=0,
         )
         # Every row of a bucket gets logits: a graph cannot know which rows are padding.
+        # (With tensor parallelism they are this rank's slice of the vocabulary.)
         self.all_rows = torch.arange(largest, device=self.device)
         self.logits = torch.zeros(
-            largest, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=self.device
+            largest, model.lm_head.out_features, dtype=model.lm_head.weight.dtype,
+            device=self.device,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if backend.supports_cuda_graphs:

@@ -8,12 +8,15 @@ stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
 stream) plus everything so far. Finished requests release their pages, leaving their
 full pages to the prefix cache so a follow-up turn can reuse them.
 
-`LLM` is the offline interface: `generate` queues many prompts (each with an optional
-priority) and steps until all are done, returning outputs in prompt order; `chat` renders
-conversations through the chat template first; `stream` yields one request's deltas as
-they are produced.
+`LLM` is the offline interface: `generate` queues many prompts and steps until all are
+done, returning outputs in prompt order; `chat` renders conversations through the chat
+template first; `stream` yields one request's deltas as they are produced.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
+
+With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
+rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
+or the program's exit) stops them.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from typing import Any
 
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
-from nanoqwen.loader import resolve_model_path
+from nanoqwen.distributed import Workers, launch, starting
+from nanoqwen.loader import check_splittable, resolve_model_path
+from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
 from nanoqwen.runner import ModelRunner
 from nanoqwen.sampler import SamplingParams, make_generator
 from nanoqwen.scheduler import Scheduler
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoqwen.waiting_queue import check_priority, priority_list
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -77,15 +83,20 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
-        self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        runner_args = (self.model_config, checkpoint, self.max_model_len)
+        tp, rank_config = SINGLE, self.config
+        self.workers: Workers | None = None
+        if self.config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+            check_splittable(checkpoint, self.model_config, self.config.quantization)
+            # Under torchrun, only rank 0 returns from here.
+            tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
+        with starting(self.workers):  # if rank 0 fails to start, the other ranks go too
+            self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
-        config = self.config
-        self.scheduler = Scheduler(
-            self.pool, self.cache, config.max_num_seqs, config.chunk_size,
-            config.scheduling_policy, config.priority_aging_steps,
-        )
+        self.scheduler = Scheduler(self.pool, self.cache, self.config)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -100,12 +111,11 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a prompt; returns its request id. `priority`: lower is served sooner
-        (needs `scheduling_policy="priority"` unless it is 0)."""
+        """Queue a prompt; returns its id. A lower `priority` is served sooner."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        self.check_priority(priority)
+        check_priority(priority, self.config.scheduling_policy)
         prompt_ids = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -150,16 +160,6 @@ class LLMEngine:
                 f"{self.pool.num_usable_pages * self.pool.page_size}"
             )
         return ids
-
-    def check_priority(self, priority: Any) -> None:
-        """A ValueError unless `priority` is an integer this engine's policy can honour."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"priority={priority} needs scheduling_policy='priority' "
-                f"(this engine schedules {self.config.scheduling_policy!r})"
-            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output, or None if it is unknown or done."""
@@ -266,7 +266,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.kv.nbytes,
+            "kv_cache_bytes": pool.kv.nbytes * self.config.tensor_parallel_size,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,
@@ -282,6 +282,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.cache.reset() if self.cache else 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 class LLM:
@@ -300,7 +305,7 @@ class LLM:
         """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`)."""
         count = len(_as_prompt_list(prompts))
         params_list = _as_params_list(params, count)
-        priorities = self._as_priority_list(priority, count)
+        priorities = priority_list(priority, count, self.engine.config.scheduling_policy)
         # Tokenize and validate everything before queueing anything.
         prompt_ids = [self.engine.encode_prompt(p) for p in _as_prompt_list(prompts)]
         ids = [
@@ -360,19 +365,17 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
-    def _as_priority_list(self, priority: Sequence[int] | None, count: int) -> list[int]:
-        if priority is None:
-            return [0] * count
-        if isinstance(priority, (int, str)) or not isinstance(priority, Sequence):
-            raise ValueError(f"priority must be a list of integers, one per prompt: {priority!r}")
-        if len(priority) != count:
-            raise ValueError(f"got {len(priority)} priorities for {count} prompts")
-        for rank in priority:
-            self.engine.check_priority(rank)
-        return list(priority)
-
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -20,6 +20,11 @@ step run by a server's engine thread on `cuda:1` would otherwise record on `cuda
 Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
 forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
 the next token of every request whose last token was computed.
+
+With tensor parallelism (`parallel.py`, `distributed.py`) every rank has a runner over
+its slice of the model and a pool of its heads. Rank 0's `forward` sends the step's
+inputs to the others before all of them run `forward_shard`; the logits come back to
+rank 0 alone, which samples.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
 from nanoqwen.config import EngineConfig, ModelConfig
 from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
+from nanoqwen.distributed import Workers
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.loader import load_model
 from nanoqwen.memory_profile import CudaMemory, kv_budget, profile_overhead
+from nanoqwen.parallel import SINGLE, TensorParallel
 from nanoqwen.request import Request
 from nanoqwen.sampler import Sampler
 
@@ -87,21 +94,30 @@ def exact_device(device: torch.device) -> torch.device:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, checkpoint: str, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        checkpoint: str,
+        max_model_len: int,
+        tp: TensorParallel = SINGLE,
+        workers: Workers | None = None,  # rank 0's handle on the other ranks
     ) -> None:
-        self.config, self.model_config = config, model_config
+        self.config, self.tp, self.workers = config, tp, workers
+        self.vocab_size = model_config.vocab_size
+        self.model_config = tp.shard_config(model_config)  # the heads this rank holds
         self.device = exact_device(config.device)
         self.max_model_len = max_model_len
         with on_device(self.device):
             self.model = load_model(
                 checkpoint, model_config, config.dtype, self.device,
-                quantization=config.quantization,
+                quantization=config.quantization, tp=tp,
             )
             self.sampler = Sampler()
             # Chosen before the pool: on CUDA, sizing the pool runs the model through it.
             self.backend_class = attention_backend_class(config, model_config, self.device)
             self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
-            self.pool = self._make_pool(self.num_kv_pages())
+            # Every rank's pool has the same pages: as many as the tightest rank can hold.
+            self.pool = self._make_pool(tp.min_over_ranks(self.num_kv_pages()))
             self.backend = self._make_backend(self.pool)
             self.decode_graphs = (
                 DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
@@ -109,7 +125,7 @@ class ModelRunner:
                 else None
             )
             if self.decode_graphs is not None:
-                self.decode_graphs.capture_all()
+                self.decode_graphs.capture_all()  # on every rank, the same buckets
 
     # ----------------------------------------------------------------- the step
     def run(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
@@ -121,14 +137,25 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bucket = self.decode_graphs.bucket_for(batch) if self.decode_graphs else None
-        return build_step_inputs(batch, self.pool.page_size, self.device, pad_to=bucket or 0)
+        # With other ranks, the inputs are laid out on the host, where they are sent from.
+        device = self.device if self.workers is None else torch.device("cpu")
+        return build_step_inputs(batch, self.pool.page_size, device, pad_to=bucket or 0)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows, `[S, vocab]`."""
+        if self.workers is None:
+            return self.forward_shard(inputs)
+        with self.workers.step():
+            return self.forward_shard(self.workers.broadcast(inputs, self.device))
+
+    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's part of the forward pass; the full logits on rank 0, None elsewhere."""
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
-            return self.decode_graphs.forward(inputs)
-        self.backend.plan(inputs.metadata)
-        return self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+            logits = self.decode_graphs.forward(inputs)
+        else:
+            self.backend.plan(inputs.metadata)
+            logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+        return self.tp.gather_logits(logits, self.vocab_size)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[int]:
         if not inputs.sampled_requests:
@@ -163,7 +190,8 @@ class ModelRunner:
         )
 
     def _cpu_kv_memory(self, fraction: float | None) -> float:
-        available = psutil.virtual_memory().available
+        # Tensor-parallel ranks on a CPU share its memory.
+        available = psutil.virtual_memory().available / self.tp.size
         if fraction is not None:
             return fraction * available
         pages_per_sequence = -(-self.max_model_len // self.config.page_size)
@@ -172,8 +200,9 @@ class ModelRunner:
 
     def _cuda_kv_memory(self, fraction: float | None) -> float:
         overhead = profile_overhead(
-            self.model, self.sampler, self.backend_class, self._make_pool, self.config,
-            self.max_model_len, self.decode_buckets, CudaMemory(self.device),
+            self.model, GatheredSampler(self.sampler, self.tp, self.vocab_size),
+            self.backend_class, self._make_pool, self.config, self.max_model_len,
+            self.decode_buckets, CudaMemory(self.device),
         )
         torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
         free, total = torch.cuda.mem_get_info(self.device)
@@ -191,3 +220,15 @@ class ModelRunner:
     def _make_backend(self, pool: KVPool) -> AttentionBackend:
         cfg = self.model_config
         return self.backend_class(pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+
+class GatheredSampler:
+    """The sampler as a tensor-parallel step uses it: the vocabulary slices of the logits
+    joined on rank 0, which alone samples. What the memory profile must measure."""
+
+    def __init__(self, sampler: Sampler, tp: TensorParallel, vocab_size: int) -> None:
+        self.sampler, self.tp, self.vocab_size = sampler, tp, vocab_size
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        logits = self.tp.gather_logits(logits, self.vocab_size)
+        return [] if logits is None else self.sampler.sample(logits, requests)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from nanoqwen.batch import ScheduledBatch
+from nanoqwen.config import EngineConfig
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
@@ -72,22 +73,14 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        pool: KVPool,
-        cache: RadixCache | None,
-        max_num_seqs: int,
-        chunk_size: int,
-        policy: str = "fcfs",
-        aging_steps: int = 0,
-    ) -> None:
+    def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig) -> None:
         self.pool = pool
         self.cache = cache
         self.page_size = pool.page_size
-        self.max_num_seqs = max_num_seqs
-        self.chunk_size = chunk_size
-        self.policy = policy
-        self.aging_steps = aging_steps
+        self.max_num_seqs = config.max_num_seqs
+        self.chunk_size = config.chunk_size
+        self.policy = config.scheduling_policy
+        self.aging_steps = config.priority_aging_steps
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # most urgent first
         self.num_steps = 0  # schedule() calls so far: the clock that priorities age by

@@ -30,6 +30,9 @@ whether two requests tie then depends on where `t` falls between multiples of
 With `aging_steps = 0` aging is off and the key is the priority itself. First come first
 served is the same machinery with every request at level 0: arrival order alone decides.
 
+A priority must be an integer, and only the "priority" policy takes one other than 0
+(`check_priority`): an fcfs engine refuses it rather than silently ignore it.
+
 The key stays with a request while it runs: the scheduler compares running requests'
 keys with waiting ones' to choose whom to preempt (`scheduler.py`). So a request that
 has waited long enough outranks every later arrival, and cannot be pushed out by them
@@ -41,6 +44,26 @@ from __future__ import annotations
 import heapq
 
 from nanoqwen.request import Request, Urgency
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A ValueError unless `priority` is an integer that `policy` can honour."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r})"
+        )
+
+
+def priority_list(priority: object, count: int, policy: str) -> list[int]:
+    """The priorities of `count` requests: `priority`, a list of them, checked; None: all 0."""
+    priorities = [0] * count if priority is None else priority
+    if not isinstance(priorities, (list, tuple)) or len(priorities) != count:
+        raise ValueError(f"priority must be a list of {count} integers, got {priority!r}")
+    for rank in priorities:
+        check_priority(rank, policy)
+    return list(priorities)
 
 
 def urgency(

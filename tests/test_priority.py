@@ -103,9 +103,9 @@ def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
     for bad in (1.5, "1", None, True):
         with pytest.raises(ValueError, match="priority must be an integer"):
             llm.engine.add_request([5, 6, 7], greedy(2), priority=bad)
-    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+    with pytest.raises(ValueError, match="priority must be a list of 3 integers"):
         llm.generate([[5], [6], [7]], greedy(2), priority=[0, 1])
-    with pytest.raises(ValueError, match="priority must be a list"):
+    with pytest.raises(ValueError, match="priority must be a list of 2 integers"):
         llm.generate([[5], [6]], greedy(2), priority=1)
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.generate([[5], [6]], greedy(2), priority=[0, "high"])

@@ -22,6 +22,7 @@ import jinja2
 
 from nanoqwen.engine import LLMEngine, Prompt
 from nanoqwen.sampler import SamplingParams
+from nanoqwen.waiting_queue import check_priority
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
@@ -136,7 +137,7 @@ def parse_generation_options(
     n = _field(body, "n", int, "an integer", 1)
     priority = _field(body, "priority", int, "an integer", 0)
     try:
-        engine.check_priority(priority)
+        check_priority(priority, engine.config.scheduling_policy)
     except ValueError as error:
         raise bad_request(str(error), "priority") from error
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
