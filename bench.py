@@ -7,7 +7,7 @@
 tokens left out) with lengths drawn uniformly from `[--min-input, --max-input]`, and for each
 an output length from `[--min-output, --max-output]`, generated with `ignore_eos` (greedily,
 or at `--temperature` with a seed per request), so every run does exactly the same work.
-Four scenarios:
+Five scenarios:
 
 * `random`: independent prompts, all submitted at once (an offline batch job).
 * `shared-prefix`: the same, but every prompt starts with the same `--min-input` tokens (a
@@ -19,6 +19,12 @@ Four scenarios:
   prompt already holds, which is what prompt lookup (`--speculative ngram`) feeds on. A
   random-weights model copies nothing on its own, but its greedy text repeats itself, so
   its answer here is found in the prompt.
+* `priority`: background jobs and urgent requests. Three in four requests are background
+  (priority 1): prompts and outputs from the upper three quarters of the length ranges,
+  all submitted at once. The rest are urgent (priority 0): short prompts and outputs from
+  the lowest quarter, arriving one every few steps over about one background lifetime.
+  It runs twice, under the fcfs and the priority scheduling policies, and reports the
+  time to first token of each priority under each.
 
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
@@ -71,7 +77,11 @@ from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_op
 from nanoqwen.loader import resolve_model_path
 from nanoqwen.speculative import SpeculationStats
 
-SCENARIOS = ("random", "shared-prefix", "multi-turn", "copy")
+SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
+# The priority scenario: one request in URGENT_EVERY is urgent.
+URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
+# What the priority scenario compares, in the order it runs them.
+COMPARED_POLICIES = ("fcfs", "priority", "copy")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -116,6 +126,8 @@ class Turn:
 
     new_token_ids: list[int]  # appended to the conversation so far (all of it, for turn 1)
     output_len: int
+    priority: int = 0
+    arrival_step: int = 0  # a first turn is submitted before this engine step (0: at once)
 
 
 Session = list[Turn]  # a conversation; the random scenarios have one turn per session
@@ -136,6 +148,8 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
 
     if workload.scenario in ("random", "copy"):  # copy: see `continue_prompts`
         return [[Turn(tokens(input_len()), output_len())] for _ in range(workload.num_seqs)]
+    if workload.scenario == "priority":
+        return priority_sessions(workload, rng, token_ids)
     if workload.scenario == "shared-prefix":
         prefix = tokens(workload.min_input)
         return [
@@ -170,6 +184,32 @@ def continue_prompts(engine: LLMEngine, sessions: Sequence[Session]) -> list[Ses
     ]
 
 
+def priority_sessions(
+    workload: Workload, rng: random.Random, token_ids: Sequence[int]
+) -> list[Session]:
+    """Background requests from the upper three quarters of the length ranges, at once;
+    urgent ones from the lowest quarter, spread over about one background output length."""
+    input_quarter = workload.min_input + (workload.max_input - workload.min_input) // 4
+    output_quarter = workload.min_output + (workload.max_output - workload.min_output) // 4
+    num_urgent = workload.num_seqs // URGENT_EVERY
+    gap = max(1, (output_quarter + workload.max_output) // 2 // max(num_urgent, 1))
+
+    def turn(inputs: tuple[int, int], outputs: tuple[int, int], priority: int, step: int) -> Turn:
+        prompt = rng.choices(token_ids, k=rng.randint(*inputs))
+        return Turn(prompt, rng.randint(*outputs), priority, step)
+
+    sessions = []
+    for index in range(workload.num_seqs):
+        if index % URGENT_EVERY == URGENT_EVERY - 1:
+            arrival = (index // URGENT_EVERY) * gap
+            short = (workload.min_input, input_quarter), (workload.min_output, output_quarter)
+            sessions.append([turn(*short, URGENT_PRIORITY, arrival)])
+        else:
+            long = (input_quarter, workload.max_input), (output_quarter, workload.max_output)
+            sessions.append([turn(*long, BACKGROUND_PRIORITY, 0)])
+    return sessions
+
+
 def longest_request(sessions: Sequence[Session]) -> int:
     """Tokens in the longest request, prompt and output (a conversation's last turn)."""
     return max(sum(len(t.new_token_ids) + t.output_len for t in session) for session in sessions)
@@ -186,12 +226,16 @@ def prompt_token_ids(model_dir: str, model_vocab_size: int) -> list[int]:
 # --------------------------------------------------------------------------- running the engine
 @dataclass
 class RequestTiming:
-    """When one request was submitted, got its first token and finished."""
+    """When one request was submitted, got its first token and finished: in seconds, and
+    (for the first two) in engine steps run so far."""
 
     prompt_token_ids: list[int]
     output_len: int  # requested
+    priority: int
     submitted: float
+    submitted_step: int
     first_token: float | None = None
+    first_token_step: int | None = None
     finished: float | None = None
     num_output_tokens: int = 0
 
@@ -206,13 +250,14 @@ class EngineRun:
     kv_pages_total: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    preemptions: int
+    preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
     speculation: SpeculationStats
 
 
 class SessionDriver:
-    """Feeds conversations to the engine: first turns at once, each next turn on a finish."""
+    """Feeds conversations to the engine: first turns at their arrival step, each next turn
+    when the one before it finishes."""
 
     def __init__(self, engine: LLMEngine, sessions: Sequence[Session], temperature: float) -> None:
         self.engine = engine
@@ -220,24 +265,33 @@ class SessionDriver:
         self.temperature = temperature
         self.records: dict[str, RequestTiming] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
+        # Conversations not started yet, the next to arrive last.
+        self.pending = sorted(
+            range(len(sessions)), key=lambda s: sessions[s][0].arrival_step, reverse=True
+        )
+        # An fcfs engine refuses priorities; it serves every request as equal anyway.
+        self._use_priorities = engine.config.scheduling_policy == "priority"
 
-    def start(self) -> None:
-        for session in range(len(self.sessions)):
-            self._submit(session, 0, history=[])
+    def submit_arrivals(self, step: int) -> None:
+        """Start every conversation whose first turn arrives by engine step `step`."""
+        while self.pending and self.sessions[self.pending[-1]][0].arrival_step <= step:
+            self._submit(self.pending.pop(), 0, [], step)
 
-    def record(self, output: RequestOutput, now: float) -> None:
-        """Note what a step did for one request; a finished turn submits the next one."""
+    def record(self, output: RequestOutput, now: float, steps: int) -> None:
+        """Note what a step (the `steps`-th) did for one request; a finished turn submits
+        the next one."""
         record = self.records[output.request_id]
         if output.delta_token_ids and record.first_token is None:
-            record.first_token = now
+            record.first_token, record.first_token_step = now, steps
         record.num_output_tokens += len(output.delta_token_ids)
         if output.finished:
             record.finished = now
             session, turn = self._position[output.request_id]
             if turn + 1 < len(self.sessions[session]):
-                self._submit(session, turn + 1, history=record.prompt_token_ids + output.token_ids)
+                history = record.prompt_token_ids + output.token_ids
+                self._submit(session, turn + 1, history, steps)
 
-    def _submit(self, session: int, turn: int, history: list[int]) -> None:
+    def _submit(self, session: int, turn: int, history: list[int], step: int) -> None:
         spec = self.sessions[session][turn]
         prompt = history + spec.new_token_ids
         # Sampled requests are seeded by their order, so every run draws the same way.
@@ -245,8 +299,11 @@ class SessionDriver:
         params = SamplingParams(
             temperature=self.temperature, max_tokens=spec.output_len, ignore_eos=True, seed=seed
         )
-        request_id = self.engine.add_request(prompt, params)
-        self.records[request_id] = RequestTiming(prompt, spec.output_len, time.perf_counter())
+        priority = spec.priority if self._use_priorities else 0
+        request_id = self.engine.add_request(prompt, params, priority=priority)
+        self.records[request_id] = RequestTiming(
+            prompt, spec.output_len, spec.priority, time.perf_counter(), step
+        )
         self._position[request_id] = (session, turn)
 
 
@@ -267,13 +324,13 @@ def run_engine(
     driver = SessionDriver(engine, sessions, temperature)
     peak_pages = steps = generated = request_steps = 0
     start = time.perf_counter()
-    driver.start()
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or driver.pending:
+        driver.submit_arrivals(steps)
         outputs = engine.step()
         steps += 1
         now = time.perf_counter()
         for output in outputs:
-            driver.record(output, now)
+            driver.record(output, now, steps)
             generated += len(output.delta_token_ids)
             request_steps += bool(output.delta_token_ids)
         finished = sum(output.finished for output in outputs)
@@ -290,7 +347,10 @@ def run_engine(
         kv_pages_total=after["pages_total"],
         prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
         prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
-        preemptions=after["preemptions"] - before["preemptions"],
+        preemptions={
+            cause: count - before["preemptions_by_cause"][cause]
+            for cause, count in after["preemptions_by_cause"].items()
+        },
         request_steps=request_steps,
         speculation=SpeculationStats(*(
             after[f"spec_{key}"] - before[f"spec_{key}"]
@@ -340,8 +400,12 @@ def percentile(values: Sequence[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def latency_ms(values: Sequence[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50) * 1000, "p95": percentile(values, 95) * 1000}
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
+
+
+def latency_ms(seconds: Sequence[float]) -> dict[str, float]:
+    return {name: value * 1000 for name, value in percentiles(seconds).items()}
 
 
 def throughput(requests: int, input_tokens: int, output_tokens: int, wall_s: float) -> Metrics:
@@ -366,15 +430,31 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
     ]
     input_tokens = sum(len(r.prompt_token_ids) for r in records)
     output_tokens = sum(r.num_output_tokens for r in records)
+    started = [r for r in records if r.first_token is not None]
+    priorities = sorted({r.priority for r in started})
+    ttft_by_priority = {
+        str(p): latency_ms([r.first_token - r.submitted for r in started if r.priority == p])
+        for p in priorities
+    }
+    # Steps, unlike seconds, do not depend on the machine: the policy's own effect.
+    ttft_steps_by_priority = {
+        str(p): percentiles(
+            [r.first_token_step - r.submitted_step for r in started if r.priority == p]
+        )
+        for p in priorities
+    }
     return {
         **throughput(len(records), input_tokens, output_tokens, run.wall_s),
         "ttft_ms": latency_ms(ttft),
+        "ttft_by_priority_ms": ttft_by_priority,
+        "ttft_by_priority_steps": ttft_steps_by_priority,
         "tpot_ms": latency_ms(tpot),
         "e2e_ms": latency_ms(e2e),
         "peak_kv_pages": run.peak_kv_pages,
         "kv_pages_total": run.kv_pages_total,
         "prefix_hit_rate": run.prefix_hit_tokens / max(run.prefix_query_tokens, 1),
-        "preemptions": run.preemptions,
+        "preemptions": sum(run.preemptions.values()),
+        "preemptions_by_cause": run.preemptions,
         "steps": run.steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
         "speculation": run.speculation.as_dict(),
@@ -440,7 +520,8 @@ def print_report(console: Console, result: Metrics) -> None:
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
         f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
-        f"scenario {settings['scenario']}, median of {settings['rounds']} round(s)"
+        f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
+        f"scheduling, median of {settings['rounds']} round(s)"
     )
     console.print(
         _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
@@ -448,6 +529,8 @@ def print_report(console: Console, result: Metrics) -> None:
     if "no_speculation" in result:
         console.print(_speculation_table(result))
     console.print(_phase_table(result["nanoqwen"]))
+    if "policies" in result:
+        console.print(_policy_table(result["policies"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
@@ -463,9 +546,7 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
             row += [fmt.format(baseline[key]), f"{speedup:.2f}x" if key == "output_tok_s" else ""]
         table.add_row(*row)
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
-        table.add_row(
-            f"{name} P50 / P95 (ms)", f"{engine[key]['p50']:.1f} / {engine[key]['p95']:.1f}"
-        )
+        table.add_row(f"{name} P50 / P95 (ms)", _p50_p95(engine[key]))
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
@@ -509,6 +590,32 @@ def _phase_table(engine: Metrics) -> Table:
             f"{phase['share']:.1%}",
         )
     return table
+
+
+def _policy_table(policies: dict[str, Metrics]) -> Table:
+    """The same workload under each scheduling policy: latency by priority, side by side."""
+    table = Table(title="Scheduling policies on the same workload")
+    table.add_column("metric")
+    for policy in policies:
+        table.add_column(policy, justify="right")
+    columns = list(policies.values())
+    for priority in columns[0]["ttft_by_priority_ms"]:
+        for unit in ("ms", "steps"):
+            table.add_row(
+                f"TTFT P50 / P95 ({unit}), priority {priority}",
+                *(_p50_p95(f[f"ttft_by_priority_{unit}"][priority]) for f in columns),
+            )
+    table.add_row("end-to-end P50 / P95 (ms)", *(_p50_p95(f["e2e_ms"]) for f in columns))
+    table.add_row("output tok/s", *(f"{f['output_tok_s']:.1f}" for f in columns))
+    for cause in columns[0]["preemptions_by_cause"]:
+        table.add_row(
+            f"preemptions ({cause})", *(str(f["preemptions_by_cause"][cause]) for f in columns)
+        )
+    return table
+
+
+def _p50_p95(latency: dict[str, float]) -> str:
+    return f"{latency['p50']:.1f} / {latency['p95']:.1f}"
 
 
 def _decode_table(decode: Metrics) -> Table:
@@ -587,6 +694,7 @@ def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "priority_aging_steps": config.priority_aging_steps,
         "tensor_parallel_size": config.tensor_parallel_size,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens,
@@ -608,15 +716,21 @@ def make_progress(console: Console) -> Progress:
 
 def assemble_result(
     settings: Metrics,
-    engine_rounds: list[Metrics],
+    rounds_by_policy: dict[str, list[Metrics]],
     baseline_rounds: list[Metrics] | None,
     decode: Metrics | None,
     plain_rounds: list[Metrics] | None = None,
 ) -> Metrics:
-    """The median rounds, and each comparison as the median of its rounds' ratios: a round's
-    runs are back to back, so a machine getting busier or quieter over the minutes
-    disturbs their ratio least."""
+    """The figures of the last policy run are nanoqwen's (with more than one policy, each
+    policy's median round is under "policies" too), and each comparison is the median of its
+    rounds' ratios: a round's runs are back to back, so a machine getting busier or quieter
+    over the minutes disturbs their ratio least."""
+    engine_rounds = list(rounds_by_policy.values())[-1]
     result: Metrics = {"settings": settings, "nanoqwen": median_round(engine_rounds)}
+    if len(rounds_by_policy) > 1:
+        result["policies"] = {
+            policy: median_round(rounds) for policy, rounds in rounds_by_policy.items()
+        }
     rounds: Metrics = {"nanoqwen": engine_rounds}
     for name, others, ratio_name in (
         ("transformers", baseline_rounds, "speedup"),
@@ -726,8 +840,9 @@ def main(
     with status_console.status("preparing the model"):
         model_dir = resolve_model(model, random_weights)
     options = pop_engine_options(engine_option_values)
+    policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
-        engine, timer = load_engine(model_dir, options)
+        engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
     if scenario == "copy":
@@ -737,6 +852,7 @@ def main(
     # With speculation, every round also runs without it, for comparison.
     plain_options = (
         {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
+        | {"scheduling_policy": policies[-1]}
         if engine.config.speculative
         else None
     )
@@ -746,18 +862,19 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
+        "scheduling_policies": list(policies),
         **engine_settings(engine, threads),
     }
-    runs: list[EngineRun] = []
+    runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     plain_runs: list[EngineRun] = []
     baseline_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
         for index in range(rounds):
-            # Each round has a fresh engine and a fresh transformers process, one after the
-            # other, so a machine that gets busier or quieter affects both alike.
-            # Without speculation: after the run with it in even rounds, before it in odd
-            # ones, so that neither always gets the machine first.
+            # Each round has a fresh engine per policy (and, with speculation, one without
+            # it) and a fresh transformers process, one after the other, so a machine that
+            # gets busier or quieter affects all alike. Without speculation: after the run
+            # with it in even rounds, before it in odd ones, so neither always goes first.
             plain_description = f"nanoqwen without speculation, round {index + 1}"
             plain_first = plain_options is not None and index % 2 == 1
             if plain_first:
@@ -765,30 +882,38 @@ def main(
                     model_dir, plain_options, token_ids, sessions, temperature, progress,
                     plain_description,
                 ))
-            if engine is None:
-                engine, timer = load_engine(model_dir, options)
-            warm_up(engine, token_ids)
-            description = f"nanoqwen, round {index + 1}"
-            runs.append(run_engine(engine, timer, sessions, temperature, progress, description))
-            if decode_batch is not None and index == rounds - 1:
-                decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
-            engine.shutdown()  # stops the other tensor-parallel ranks, if any
-            engine = None
-            free_memory()  # on a GPU the engine holds most of it, transformers needs some
+            for policy in policies:
+                if engine is None:
+                    engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policy})
+                warm_up(engine, token_ids)
+                label = f", {policy}" if len(policies) > 1 else ""
+                description = f"nanoqwen{label}, round {index + 1}"
+                runs[policy].append(
+                    run_engine(engine, timer, sessions, temperature, progress, description)
+                )
+                if decode_batch is not None and index == rounds - 1 and policy == policies[-1]:
+                    decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
+                engine.shutdown()  # stops the other tensor-parallel ranks, if any
+                engine = None
+                free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if plain_options is not None and not plain_first:
                 plain_runs.append(run_fresh_engine(
                     model_dir, plain_options, token_ids, sessions, temperature, progress,
                     plain_description,
                 ))
             if compare == "hf":
-                requests = [
-                    (record.prompt_token_ids, record.output_len) for record in runs[0].records
-                ]
+                records = runs[policies[0]][0].records
+                requests = [(record.prompt_token_ids, record.output_len) for record in records]
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
-    engine_rounds = [summarize_engine_run(run) for run in runs]
+    rounds_by_policy = {
+        policy: [summarize_engine_run(run) for run in policy_runs]
+        for policy, policy_runs in runs.items()
+    }
     plain_rounds = [summarize_engine_run(run) for run in plain_runs] or None
-    result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode, plain_rounds)
+    result = assemble_result(
+        settings, rounds_by_policy, baseline_rounds or None, decode, plain_rounds
+    )
     print_report(console, result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))

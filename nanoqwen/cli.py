@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import click
 
 from nanoqwen.config import (
-    ATTENTION_BACKEND_NAMES, DTYPES, QUANTIZATION_MODES, SPECULATIVE_METHODS, EngineConfig,
+    ATTENTION_BACKEND_NAMES, DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS, EngineConfig,
 )
 from nanoqwen.runner import CPU_KV_CACHE_FRACTION
 
@@ -57,6 +58,14 @@ ENGINE_OPTIONS = [
     click.option("--tensor-parallel-size", "-tp", default=engine_default("tensor_parallel_size"),
                  type=click.IntRange(min=1),
                  help="Split the model across this many GPUs (or CPU processes)."),
+    click.option("--scheduling-policy", default=engine_default("scheduling_policy"),
+                 type=click.Choice(SCHEDULING_POLICIES),
+                 help="Order of admission: fcfs (arrival) or priority (each request's "
+                      "priority, lower first, aged while it waits)."),
+    click.option("--priority-aging-steps", default=engine_default("priority_aging_steps"),
+                 type=click.IntRange(min=0),
+                 help="Under --scheduling-policy priority, a waiting request gains one "
+                      "priority level per this many steps (0: never)."),
     click.option("--speculative", default=None,
                  type=click.Choice([name for name in SPECULATIVE_METHODS if name]),
                  help="Speculative decoding: ngram guesses tokens from the text so far, draft "
@@ -77,7 +86,7 @@ SPECULATIVE_OPTION_NAMES = (
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
-    "quantization", "tensor_parallel_size",
+    "quantization", "tensor_parallel_size", "scheduling_policy", "priority_aging_steps",
     *SPECULATIVE_OPTION_NAMES,
 )
 

@@ -3,9 +3,9 @@
 A few small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs, ranks, speculative decoding) and validates them
-  before anything is loaded, so a typo in a dtype fails in one clear line instead of
-  deep inside a kernel.
+  memory, chunk size, caching, graphs, ranks, scheduling policy, speculative decoding) and
+  validates them before anything is loaded, so a typo in a dtype fails in one clear line
+  instead of deep inside a kernel.
 * `ModelConfig` is the model's shape, read from the checkpoint's `config.json` (or a GGUF
   file's metadata) through transformers' `AutoConfig`. The decoder in `model.py` is built
   from it alone; the transformers config object rides along because its rotary-embedding
@@ -27,6 +27,7 @@ from nanoqwen.gguf_checkpoint import is_gguf_file, read_gguf_config
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 DTYPES = {
     "float32": torch.float32,
@@ -93,6 +94,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
     attention_backend: str | None = None
+    # "fcfs" serves requests in arrival order; "priority" by each request's priority
+    # (lower first), improved by one level per `priority_aging_steps` steps since it
+    # arrived (0: no aging), so one level is worth that many steps of waiting. The default
+    # is about one long request's lifetime in decode steps. See waiting_queue.py.
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 1024
     # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
     # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
     quantization: str | None = None
@@ -123,6 +130,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             names = ", ".join(str(name) for name in ATTENTION_BACKEND_NAMES)
             raise ValueError(f"attention_backend must be one of {names}, got {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        aging = self.priority_aging_steps
+        if isinstance(aging, bool) or not isinstance(aging, int) or aging < 0:
+            raise ValueError(f"priority_aging_steps must be a non-negative integer, got {aging!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -9,9 +9,7 @@ stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
 stream) plus everything so far. Finished requests release their pages, leaving their
 full pages to the prefix cache so a follow-up turn can reuse them.
 
-`LLM` is the offline interface: `generate` queues many prompts and steps until all are
-done, returning outputs in prompt order; `chat` renders conversations through the chat
-template first; `stream` yields one request's deltas as they are produced.
+The offline interface built on it, `LLM` (generate, chat, stream), is in `llm.py`.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
 
@@ -23,7 +21,7 @@ or the program's exit) stops them.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +37,9 @@ from nanoqwen.sampler import SamplingParams, make_generator
 from nanoqwen.scheduler import Scheduler
 from nanoqwen.speculative import make_proposer, resolve_draft_model
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoqwen.waiting_queue import check_priority
 
 Prompt = str | list[int]
-Message = dict[str, str]
 # The phases of a step, in order, as `instrument` names them.
 STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
 PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
@@ -101,9 +99,7 @@ class LLMEngine:
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
-        self.scheduler = Scheduler(
-            self.pool, self.cache, self.config.max_num_seqs, self.config.chunk_size
-        )
+        self.scheduler = Scheduler(self.pool, self.cache, self.config)
         self.proposer = make_proposer(self.config, self.scheduler, self.runner, draft)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -117,10 +113,13 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
+        """Queue a prompt; returns its id. A lower `priority` is served sooner."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.config.scheduling_policy)
         prompt_ids = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -131,6 +130,7 @@ class LLMEngine:
             params,
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
+            priority=priority,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -285,7 +285,8 @@ class LLMEngine:
             "prefix_hit_tokens": hits,
             "prefix_hit_rate": hits / query if query else 0.0,
             "evicted_pages": cache.evicted_pages if cache else 0,
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": sum(self.scheduler.preemptions.values()),
+            "preemptions_by_cause": dict(self.scheduler.preemptions),
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "finished": dict(self.num_finished),
@@ -299,101 +300,3 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks, if any (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
-
-
-class LLM:
-    """Offline batch inference: `LLM(model).generate(prompts, params)`."""
-
-    def __init__(self, model: str, **options: Any) -> None:
-        self.engine = LLMEngine(model, **options)
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        params_list = _as_params_list(params, len(_as_prompt_list(prompts)))
-        # Tokenize and validate everything before queueing anything.
-        prompt_ids = [self.engine.encode_prompt(p) for p in _as_prompt_list(prompts)]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_ids, params_list)]
-        final: dict[str, RequestOutput] = {}
-        try:
-            while len(final) < len(ids):
-                for output in self.engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
-        finally:
-            for request_id in ids:
-                if request_id not in final:
-                    self.engine.abort(request_id)
-        return [final[request_id] for request_id in ids]
-
-    def chat(
-        self,
-        conversations: list[Message] | Sequence[list[Message]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        enable_thinking: bool | None = None,
-    ) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # one conversation
-        prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
-        return self.generate(prompts, params)
-
-    def chat_prompt(self, messages: list[Message], enable_thinking: bool | None = None) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield this request's output after every engine step; closing the generator
-        aborts it.
-
-        A step that gave the request no token (its prompt is still being prefilled, chunk
-        by chunk, or it is waiting for room) yields its unchanged progress, with empty
-        deltas: a long prompt then still hands control back every step, so a caller can
-        give up on it without waiting for the first token.
-        """
-        request_id = self.engine.add_request(prompt, params)
-        finished = False
-        try:
-            while not finished:
-                moved = {output.request_id: output for output in self.engine.step()}
-                output = moved.get(request_id) or self.engine.progress(request_id)
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.engine.abort(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def reset_prefix_cache(self) -> int:
-        return self.engine.reset_prefix_cache()
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)
-
-
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return params

@@ -106,6 +106,13 @@ def engine_families(stats: EngineStats) -> list[Metric]:
     )
     for state in ("used", "cached", "free"):
         pages.add_metric([state], stats[f"pages_{state}"])
+    preemptions = CounterMetricFamily(
+        "nanoqwen_preemptions_by_cause",
+        "Running requests preempted, by cause: kv_pages (the KV pool ran out), max_num_seqs "
+        "(a more urgent request took the seat).", labels=["cause"],
+    )
+    for cause, count in sorted(stats["preemptions_by_cause"].items()):
+        preemptions.add_metric([cause], count)
     return [
         finished,
         GaugeMetricFamily("nanoqwen_requests_running", "Requests in the running batch.",
@@ -126,6 +133,7 @@ def engine_families(stats: EngineStats) -> list[Metric]:
         CounterMetricFamily("nanoqwen_preemptions",
                             "Running requests preempted (pages released, recomputed later).",
                             value=stats["preemptions"]),
+        preemptions,
         *(kind(name, f"Speculative decoding: {help}", value=stats[key])
           for kind, name, help, key in SPECULATION_FAMILIES),
     ]

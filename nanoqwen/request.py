@@ -9,6 +9,8 @@ other modules need to know about one request lives here:
   many of its tokens already have K/V in them (`num_computed_tokens`). Tokens past that
   still need a forward pass: a whole prompt chunk for a prefill, one token for a decode;
 * its place in the queues (`status`) and, once it has ended, why (`finish_reason`);
+* how urgent it is: the `priority` it was given (lower is more urgent) and the `urgency`
+  key the scheduler orders requests by (`waiting_queue.py` explains it);
 * how to sample it (`params`, `generator`) and how to stream its text (`detokenizer`);
 * during a step with speculative decoding, the guessed next tokens to verify
   (`draft_token_ids`, see `speculative.py`). They are not part of `token_ids`: only the
@@ -22,11 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeAlias
 
 import torch
 
 from nanoqwen.sampler import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer
+
+
+# (aged priority, arrival number): smaller is more urgent, and no two requests tie.
+Urgency: TypeAlias = tuple[int, int]
 
 
 class Status(Enum):
@@ -51,6 +58,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
     num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
     finish_reason: str | None = None
+    priority: int = 0  # lower is more urgent
+    urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
     # This step's draft tokens, and the distributions a draft model sampled them from
     # (`[len(draft_token_ids), vocab]`; None for greedy requests and n-gram guesses).
     draft_token_ids: list[int] = field(default_factory=list)

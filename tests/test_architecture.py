@@ -22,8 +22,9 @@ LAYERS = [
         "attention_flashinfer", "model", "loader", "batch", "quantization", "gptq_awq",
         "step_broadcast", "verification",
     },
-    {"cuda_graph", "memory_profile", "scheduler", "runner", "distributed", "speculative"},
-    {"engine"},
+    {"cuda_graph", "memory_profile", "scheduler", "waiting_queue", "runner", "distributed",
+     "speculative"},
+    {"engine", "llm"},
     {"__init__", "cli", "metrics", "server"},
 ]
 MAX_MODULE_LINES = 400

@@ -132,6 +132,11 @@ def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) ->
     result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--decode-batch", "4")
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] == 0.0  # random prompts share no page
+    assert result["nanoqwen"]["ttft_by_priority_ms"] == {"0": result["nanoqwen"]["ttft_ms"]}
+    # All submitted at once: the first prefills in the first step, none waits for ever.
+    steps = result["nanoqwen"]["ttft_by_priority_steps"]["0"]
+    assert 1 <= steps["p50"] <= steps["p95"] <= result["nanoqwen"]["steps"]
+    assert "policies" not in result
     decode = result["decode"]
     assert decode["batch_size"] == 4 and decode["context_tokens"] == spec.min_input
     assert decode["engine_step_ms"] > 0 and decode["forward_ms"] > 0
@@ -159,6 +164,28 @@ def test_multi_turn_prompts_carry_the_conversation(tmp_path: Path, qwen3_dir: st
     result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec))
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] > 0  # later turns reuse earlier ones
+
+
+def test_priority_scenario_runs_both_policies(tmp_path: Path, qwen2_dir: str) -> None:
+    spec = workload("priority", num_seqs=8, max_output=24)
+    result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--max-num-seqs", "2")
+    assert result["settings"]["scheduling_policies"] == ["fcfs", "priority"]
+    fcfs, priority = result["policies"]["fcfs"], result["policies"]["priority"]
+    check_engine_figures(fcfs, spec, qwen2_dir)  # fcfs never preempts here: pages abound
+    assert result["nanoqwen"] == priority
+    for key in ("requests", "input_tokens", "output_tokens"):
+        assert priority[key] == fcfs[key]
+    for figures in (fcfs, priority):
+        for unit in ("ms", "steps"):
+            by_priority = figures[f"ttft_by_priority_{unit}"]
+            assert set(by_priority) == {"0", "1"}
+            assert all(0 < latency["p50"] <= latency["p95"] for latency in by_priority.values())
+        assert figures["preemptions"] == sum(figures["preemptions_by_cause"].values())
+    # Under priority scheduling every urgent request gets its first token in the step it
+    # arrives in (taking a background request's seat if need be); under fcfs, one waits.
+    assert priority["ttft_by_priority_steps"]["0"]["p95"] == 1
+    assert fcfs["ttft_by_priority_steps"]["0"]["p95"] > 1
+    assert priority["preemptions_by_cause"]["max_num_seqs"] > 0
 
 
 def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
@@ -277,6 +304,19 @@ def test_multi_turn_groups_requests_into_conversations() -> None:
 def test_prompts_avoid_special_tokens(qwen3_dir: str) -> None:
     allowed = set(bench.prompt_token_ids(qwen3_dir, 10**6))
     assert allowed and not allowed & Tokenizer(qwen3_dir).eos_token_ids
+
+
+def test_priority_workload_mixes_urgent_and_background() -> None:
+    spec = workload("priority", num_seqs=12, min_input=10, max_input=50, min_output=4, max_output=44)
+    sessions = bench.make_sessions(spec, list(range(1000)))
+    urgent = [s[0] for s in sessions if s[0].priority == bench.URGENT_PRIORITY]
+    background = [s[0] for s in sessions if s[0].priority == bench.BACKGROUND_PRIORITY]
+    assert len(urgent) == 3 and len(background) == 9 and all(len(s) == 1 for s in sessions)
+    assert all(10 <= len(t.new_token_ids) <= 20 and 4 <= t.output_len <= 14 for t in urgent)
+    assert all(20 <= len(t.new_token_ids) <= 50 and 14 <= t.output_len <= 44 for t in background)
+    assert all(t.arrival_step == 0 for t in background)
+    steps = [t.arrival_step for t in urgent]
+    assert steps == sorted(set(steps)) and steps[0] == 0
 
 
 def test_percentile_interpolates_between_ranks() -> None:

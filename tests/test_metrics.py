@@ -12,7 +12,7 @@ ENGINE_STATS: dict[str, Any] = {
     "running": 2, "waiting": 4,
     "prompt_tokens": 120, "generated_tokens": 64,
     "prefix_query_tokens": 100, "prefix_hit_tokens": 48,
-    "preemptions": 1,
+    "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
     "spec_proposed_tokens": 40, "spec_accepted_tokens": 30, "spec_verifications": 10,
     "spec_acceptance_rate": 0.75, "spec_mean_accepted_length": 4.0,
 }
@@ -40,7 +40,10 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_generation_tokens_total", ())] == 64
     assert page[("nanoqwen_prefix_cache_query_tokens_total", ())] == 100
     assert page[("nanoqwen_prefix_cache_hit_tokens_total", ())] == 48
-    assert page[("nanoqwen_preemptions_total", ())] == 1
+    assert page[("nanoqwen_preemptions_total", ())] == 3
+    by_cause = "nanoqwen_preemptions_by_cause_total"
+    assert page[(by_cause, (("cause", "kv_pages"),))] == 1
+    assert page[(by_cause, (("cause", "max_num_seqs"),))] == 2
     assert page[("nanoqwen_spec_draft_tokens_total", ())] == 40
     assert page[("nanoqwen_spec_accepted_tokens_total", ())] == 30
     assert page[("nanoqwen_spec_verifications_total", ())] == 10

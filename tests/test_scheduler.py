@@ -24,6 +24,11 @@ def reference(qwen3_dir: str) -> LLM:
     return LLM(qwen3_dir, enable_prefix_cache=False, chunk_size=100_000)
 
 
+@pytest.fixture(scope="module")
+def qwen2_reference(qwen2_dir: str) -> LLM:
+    return LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000)
+
+
 def test_shared_prefix_is_computed_once(qwen3_dir: str, reference: LLM) -> None:
     prefix = random_prompts(VOCAB, [200], seed=20)[0]
     tails = random_prompts(VOCAB, [3 + i for i in range(16)], seed=21)
@@ -139,44 +144,78 @@ def test_reset_prefix_cache_frees_everything_unused(qwen3_dir: str) -> None:
     assert running not in engine.requests
 
 
-@pytest.fixture(scope="module")
-def tight_engine(qwen2_dir: str) -> LLMEngine:
-    return LLMEngine(qwen2_dir, num_pages=24, page_size=4, chunk_size=24, max_num_seqs=6)
+# (policy, KV pages of 4 tokens, one of them scratch, max_num_seqs): fcfs with room for
+# six requests; priority with two seats and pages for about two, so that both kinds of
+# preemption happen.
+TIGHT_ENGINES = [("fcfs", 24, 6), ("priority", 16, 2)]
+
+
+@pytest.fixture(scope="module", params=TIGHT_ENGINES, ids=lambda p: p[0])
+def tight_engine(request: pytest.FixtureRequest, qwen2_dir: str) -> LLMEngine:
+    policy, num_pages, max_num_seqs = request.param
+    return LLMEngine(
+        qwen2_dir, num_pages=num_pages, page_size=4, chunk_size=24, max_num_seqs=max_num_seqs,
+        scheduling_policy=policy, priority_aging_steps=16,
+    )
 
 
 ACTIONS = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 12)),
+        # add: shared prefix (0: none), new tokens, max_tokens, priority
+        st.tuples(
+            st.just("add"), st.integers(0, 3), st.integers(1, 40), st.integers(1, 12),
+            st.integers(0, 3),
+        ),
         st.tuples(st.just("abort"), st.integers(0, 100)),
         st.tuples(st.just("step"), st.integers(1, 4)),
     ),
     min_size=5,
-    max_size=40,
+    max_size=30,
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(actions=ACTIONS, seed=st.integers(0, 1000))
-def test_random_workload_keeps_pages_consistent(tight_engine: LLMEngine, actions, seed: int) -> None:
+def test_random_workload(
+    tight_engine: LLMEngine, qwen2_reference: LLM, actions, seed: int
+) -> None:
+    """Random arrivals, aborts and (under priority scheduling) priorities in a tiny pool:
+    after every step every page is free, cached or in use; every request finishes; every
+    output is the plain greedy one (cut short only for a request that can't fit alone)."""
     engine, rng = tight_engine, random.Random(seed)
+    capacity = engine.pool.num_usable_pages * engine.pool.page_size
     prefixes = random_prompts(VOCAB, [8, 12, 20], seed=seed)
-    added: list[str] = []
-    finished: dict[str, str] = {}
+    added: dict[str, tuple[list[int], int]] = {}  # request id → (prompt, max_tokens)
+    finished: dict[str, list[int] | None] = {}  # request id → tokens (None: aborted)
     for action in actions:
         if action[0] == "add":
-            _, prefix, length, max_tokens = action
-            prompt = (prefixes[prefix - 1] if prefix else []) + [rng.randrange(3, VOCAB) for _ in range(length)]
-            added.append(engine.add_request(prompt[:80], greedy(max_tokens)))
+            _, prefix, length, max_tokens, priority = action
+            tail = [rng.randrange(3, VOCAB) for _ in range(length)]
+            prompt = ((prefixes[prefix - 1] if prefix else []) + tail)[: capacity - 1]
+            if engine.config.scheduling_policy == "fcfs":
+                priority = 0
+            request_id = engine.add_request(prompt, greedy(max_tokens), priority=priority)
+            added[request_id] = (prompt, max_tokens)
         elif action[0] == "abort" and added:
-            output = engine.abort(added[action[1] % len(added)])
+            output = engine.abort(list(added)[action[1] % len(added)])
             if output is not None:
-                finished[output.request_id] = output.finish_reason
+                finished[output.request_id] = None
         else:
             for _ in range(action[1]):
-                finished.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+                finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
                 check_page_accounting(engine)
-    finished.update({i: o.finish_reason for i, o in run_to_completion(engine).items()})
+    finished.update({i: o.token_ids for i, o in run_to_completion(engine).items()})
     assert set(finished) == set(added), "a request was lost"
+    done = [(added[i], tokens) for i, tokens in finished.items() if tokens is not None]
+    expected = qwen2_reference.generate([prompt for (prompt, _), _ in done], greedy(12))
+    for ((prompt, max_tokens), tokens), plain in zip(done, expected):
+        assert tokens == plain.token_ids[: len(tokens)]
+        if len(prompt) + max_tokens - 1 <= capacity:  # it fits alone, so it finishes
+            assert len(tokens) == max_tokens
+    stats = engine.stats()
+    assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
     engine.reset_prefix_cache()
     check_page_accounting(engine)
     assert engine.stats()["pages_free"] == engine.pool.num_usable_pages

@@ -161,10 +161,12 @@ def test_a_failure_while_adding_aborts_what_was_added(qwen3_dir: str) -> None:
         slow_down(server)
         add, calls = server.engine.add_request, itertools.count()
 
-        def flaky_add(prompt: list[int], params: SamplingParams, request_id: str) -> str:
+        def flaky_add(
+            prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0
+        ) -> str:
             if next(calls) == 1:
                 raise TypeError("a bug while adding the second prompt")
-            return add(prompt, params, request_id=request_id)
+            return add(prompt, params, request_id=request_id, priority=priority)
 
         server.engine.add_request = flaky_add
         body = {"prompt": ["hello", "world"], **LONG_RUNNING}

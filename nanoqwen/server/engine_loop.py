@@ -151,9 +151,9 @@ class EngineLoop:
         self._enqueue(lambda engine: self._abort_now(ids))
 
     def submit(
-        self, sequences: list[tuple[list[int], SamplingParams]], id_prefix: str
+        self, sequences: list[tuple[list[int], SamplingParams]], id_prefix: str, priority: int = 0
     ) -> Submission:
-        """Add one engine request per (prompt ids, params), all or none.
+        """Add one engine request per (prompt ids, params), all at `priority`, all or none.
 
         Raises `QueueFull` past capacity, and whatever `add_request` raised (a `ValueError`
         for input the engine refuses) with nothing left behind in the engine.
@@ -165,7 +165,7 @@ class EngineLoop:
             self._num_admitted += count
         outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
         try:
-            ids = self.call(lambda engine: self._add(sequences, id_prefix, outputs))
+            ids = self.call(lambda engine: self._add(sequences, id_prefix, priority, outputs))
         except BaseException:
             self._release(count)
             raise
@@ -231,13 +231,16 @@ class EngineLoop:
         self,
         sequences: list[tuple[list[int], SamplingParams]],
         id_prefix: str,
+        priority: int,
         outputs: queue.SimpleQueue[Output],
     ) -> list[str]:
         ids: list[str] = []
         try:
             for index, (prompt_ids, params) in enumerate(sequences):
                 request_id = f"{id_prefix}-{index}"
-                ids.append(self.engine.add_request(prompt_ids, params, request_id=request_id))
+                ids.append(
+                    self.engine.add_request(prompt_ids, params, request_id, priority=priority)
+                )
         except BaseException:
             for request_id in ids:  # all or none: a failing third prompt fails the request
                 self.engine.abort(request_id)

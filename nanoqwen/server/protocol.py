@@ -22,6 +22,7 @@ import jinja2
 
 from nanoqwen.engine import LLMEngine, Prompt
 from nanoqwen.sampler import SamplingParams
+from nanoqwen.waiting_queue import check_priority
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
@@ -112,12 +113,13 @@ def check_model(body: dict[str, Any], model_id: str) -> None:
 class GenerationOptions:
     """What a completion request asks for besides its prompt.
 
-    Per-request engine settings beyond sampling (a scheduling priority, say) belong here.
+    Per-request engine settings beyond sampling belong here.
     """
 
     params: list[SamplingParams]  # one per sample of a prompt (`n` of them)
     stream: bool
     include_usage: bool
+    priority: int = 0  # lower is served sooner (vLLM's field), under priority scheduling
 
 
 def parse_generation_options(
@@ -133,6 +135,11 @@ def parse_generation_options(
         stream_options, "include_usage", bool, "a boolean", False, "stream_options.include_usage"
     )
     n = _field(body, "n", int, "an integer", 1)
+    priority = _field(body, "priority", int, "an integer", 0)
+    try:
+        check_priority(priority, engine.config.scheduling_policy)
+    except ValueError as error:
+        raise bad_request(str(error), "priority") from error
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
     # max_completion_tokens is the newer name of max_tokens.
@@ -153,7 +160,7 @@ def parse_generation_options(
                    for i in range(n)]
     except ValueError as error:
         raise bad_request(str(error), _named_parameter(str(error))) from error
-    return GenerationOptions(samples, stream, include_usage)
+    return GenerationOptions(samples, stream, include_usage, priority)
 
 
 def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:

@@ -148,7 +148,7 @@ class OpenAIHandler(HTTPHandler):
             raise bad_request(f"{len(sequences)} sequences asked for; "
                               f"this server holds {loop.capacity}")
         try:
-            submission = loop.submit(sequences, response_id)
+            submission = loop.submit(sequences, response_id, options.priority)
         except ValueError as error:  # the engine refused the input
             raise bad_request(str(error)) from error
         reply = Reply(api, response_id, self.server.settings.model_name, int(time.time()),
