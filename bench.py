@@ -81,7 +81,7 @@ SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
 # The priority scenario: one request in URGENT_EVERY is urgent.
 URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
 # What the priority scenario compares, in the order it runs them.
-COMPARED_POLICIES = ("fcfs", "priority", "copy")
+COMPARED_POLICIES = ("fcfs", "priority")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
