@@ -28,6 +28,11 @@ minutes then disturbs both alike; the report shows the median round of each, and
 speedup is the median of the rounds' ratios. `--decode-batch B` adds the steady-state
 decode micro-benchmark of `bench_decode.py`.
 
+`--floor` replays, right after each round, the token schedule the engine just ran through
+the model's dense layers alone (`bench_floor.py`): `floor_ratio` is the engine's wall time
+over that floor, and the time above it is split into attention, norms + rope +
+activations, sampling and bookkeeping. The report shows the round with the median ratio.
+
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
 """
@@ -55,6 +60,7 @@ from transformers.utils import logging as transformers_logging
 
 from bench_baseline import run_transformers
 from bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
+from bench_floor import SPLIT, FloorRecorder, measure_floor
 from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
@@ -332,6 +338,12 @@ def median_round(rounds: Sequence[Metrics]) -> Metrics:
     return sorted(rounds, key=lambda figures: figures["wall_s"])[(len(rounds) - 1) // 2]
 
 
+def median_floor_round(rounds: Sequence[Metrics]) -> Metrics:
+    """The round with the median floor ratio (of an even count, the lower middle one),
+    whole, so that its split adds up."""
+    return sorted(rounds, key=lambda figures: figures["floor_ratio"])[(len(rounds) - 1) // 2]
+
+
 def free_memory() -> None:
     """Return what dropped objects held, on a GPU too, before another model needs it."""
     gc.collect()
@@ -376,6 +388,8 @@ def print_report(console: Console, result: Metrics) -> None:
         _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
     )
     console.print(_phase_table(result["nanoqwen"]))
+    if "floor" in result:
+        console.print(_floor_table(result["floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
@@ -415,6 +429,28 @@ def _phase_table(engine: Metrics) -> Table:
     return table
 
 
+FLOOR_LABELS = {
+    "attention": "attention (plan + forward)",
+    "norms_rope_activations": "norms, rope, activations (rest of forward)",
+    "sampling": "sampling",
+    "bookkeeping": "bookkeeping (schedule, prepare, detokenize)",
+}
+
+
+def _floor_table(floor: Metrics) -> Table:
+    table = Table(title=f"Against the dense-matmul floor: {floor['floor_ratio']:.2f}x")
+    for column in ("part", "seconds", "adds to the ratio"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    table.add_row("engine wall time", f"{floor['engine_s']:.2f}", f"{floor['floor_ratio']:.2f}x")
+    table.add_row("dense matmuls alone (floor)", f"{floor['floor_s']:.2f}", "1.00x")
+    for name in SPLIT:
+        table.add_row(
+            f"  {FLOOR_LABELS[name]}", f"{floor['split'][name]:.2f}",
+            f"+{floor['split_ratio'][name]:.2f}x",
+        )
+    return table
+
+
 def _decode_table(decode: Metrics) -> Table:
     title = "Steady-state decode: {batch_size} requests, {context_tokens}-token prompts"
     table = Table(title=title.format(**decode))
@@ -439,15 +475,22 @@ def resolve_model(model: str | None, random_weights: str | None) -> str:
         raise click.UsageError(str(error)) from None
 
 
-def load_engine(model_dir: str, options: dict[str, Any]) -> tuple[LLMEngine, PhaseTimer]:
-    """A fresh engine, with a phase timer installed."""
+def load_engine(
+    model_dir: str, options: dict[str, Any], floor: bool = False
+) -> tuple[LLMEngine, PhaseTimer, FloorRecorder | None]:
+    """A fresh engine, with a phase timer installed (and with `floor`, a floor recorder
+    inside it, so that the timer counts what the recorder adds)."""
     try:
         engine = LLMEngine(model_dir, **options)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    recorder = FloorRecorder() if floor else None
+    if recorder is not None:
+        engine.instrument(recorder.wrap)
+        recorder.attach(engine)
     timer = PhaseTimer()
     engine.instrument(timer.wrap)
-    return engine, timer
+    return engine, timer, recorder
 
 
 def check_workload(workload: Workload) -> None:
@@ -512,6 +555,7 @@ def assemble_result(
     engine_rounds: list[Metrics],
     baseline_rounds: list[Metrics] | None,
     decode: Metrics | None,
+    floor_rounds: list[Metrics] | None = None,
 ) -> Metrics:
     result: Metrics = {"settings": settings, "nanoqwen": median_round(engine_rounds)}
     rounds: Metrics = {"nanoqwen": engine_rounds}
@@ -526,6 +570,10 @@ def assemble_result(
         rounds["transformers"] = baseline_rounds
     if decode is not None:
         result["decode"] = decode
+    if floor_rounds is not None:
+        # A round's engine run and floor replay are back to back, like the baseline's.
+        result["floor"] = median_floor_round(floor_rounds)
+        rounds["floor"] = floor_rounds
     result["rounds"] = rounds
     return result
 
@@ -567,6 +615,11 @@ def assemble_result(
     help="Also time steady-state decode at this batch size (prompts of --min-input tokens).",
 )
 @click.option(
+    "--floor",
+    is_flag=True,
+    help="Also replay each round's token schedule through the dense layers alone.",
+)
+@click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
@@ -594,6 +647,7 @@ def main(
     compare: str | None,
     rounds: int,
     decode_batch: int | None,
+    floor: bool,
     threads: int | None,
     json_path: Path | None,
     **engine_option_values: Any,
@@ -613,7 +667,7 @@ def main(
         model_dir = resolve_model(model, random_weights)
     options = pop_engine_options(engine_option_values)
     with status_console.status("loading the model"):
-        engine, timer = load_engine(model_dir, options)
+        engine, timer, recorder = load_engine(model_dir, options, floor)
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
     check_fits(engine, sessions, decode_batch)
@@ -627,19 +681,28 @@ def main(
     }
     runs: list[EngineRun] = []
     baseline_rounds: list[Metrics] = []
+    floor_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
         for index in range(rounds):
             # Each round has a fresh engine and a fresh transformers process, one after the
             # other, so a machine that gets busier or quieter affects both alike.
             if engine is None:
-                engine, timer = load_engine(model_dir, options)
+                engine, timer, recorder = load_engine(model_dir, options, floor)
             warm_up(engine, token_ids)
             description = f"nanoqwen, round {index + 1}"
+            if recorder is not None:
+                recorder.reset()
             runs.append(run_engine(engine, timer, sessions, progress, description))
+            if recorder is not None:  # the floor right after the run, on the same machine
+                run = runs[-1]
+                with status_console.status(f"dense-matmul floor, round {index + 1}"):
+                    floor_rounds.append(
+                        measure_floor(engine, recorder, run.wall_s, run.phase_seconds)
+                    )
             if decode_batch is not None and index == rounds - 1:
                 decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
-            engine = None
+            engine = recorder = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if compare == "hf":
                 requests = [
@@ -648,7 +711,9 @@ def main(
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
     engine_rounds = [summarize_engine_run(run) for run in runs]
-    result = assemble_result(settings, engine_rounds, baseline_rounds or None, decode)
+    result = assemble_result(
+        settings, engine_rounds, baseline_rounds or None, decode, floor_rounds or None
+    )
     print_report(console, result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
