@@ -236,11 +236,12 @@ class TorchBackend(AttentionBackend):
         for rows in self.fresh_rows:
             # Nothing cached: the prompt's keys are this step's, and top-left causal
             # alignment is its own positions.
+            # [1, heads, q_len, D]: SDPA's fused CPU kernel takes batched inputs only.
+            queries, keys, values = (x[None, rows].transpose(1, 2) for x in (q, k, v))
             attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-                is_causal=True, enable_gqa=True,
+                queries, keys, values, is_causal=True, enable_gqa=True
             )
-            out[rows] = attended.transpose(0, 1)
+            out[rows] = attended[0].transpose(0, 1)
         if self.padded is not None:
             self._attend_padded(self.padded, q, k_cache, v_cache, out)
         return out
