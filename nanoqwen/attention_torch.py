@@ -64,8 +64,10 @@ class SparseDecodeGroup:
     # Each layer's scores, scattered to [B * heads, max_kv] for the softmax. Only real
     # entries are overwritten per layer, so the padding stays -inf for the whole step.
     dense_scores: torch.Tensor
-    # Pool pages to gather into the float32 workspace first, whose slots `pattern` then
-    # addresses; None when the pool's own dtype has the sparse products.
+    # Each nonzero's row of `V`: the pool's values are always read where they lie.
+    value_columns: torch.Tensor  # [nnz]
+    # Pool pages whose keys are gathered into a float32 copy first, whose slots `pattern`
+    # then addresses; None when the pool's own dtype has the sampled product.
     gathered_pages: torch.Tensor | None
 
 
@@ -90,10 +92,10 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
-        self.gathers_decodes = pool.kv.dtype not in SPARSE_DTYPES
-        # Gathered pages: in the pool's dtype, and for gathered decodes in float32.
+        self.gathers_keys = pool.kv.dtype not in SPARSE_DTYPES
+        # Gathered pages: in the pool's dtype, and for decodes' keys in float32.
         self.key_workspace = self.value_workspace = pool.kv.new_empty(0)
-        self.float_key_workspace = self.float_value_workspace = pool.kv.new_empty(0).float()
+        self.float_key_workspace = pool.kv.new_empty(0).float()
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
@@ -125,9 +127,8 @@ class TorchBackend(AttentionBackend):
         if self.key_workspace.shape[0] < num_pages:
             self.key_workspace = self.pool.kv.new_empty(num_pages, *page_shape)
             self.value_workspace = torch.empty_like(self.key_workspace)
-        if self.gathers_decodes and self.float_key_workspace.shape[0] < num_pages:
+        if self.gathers_keys and self.float_key_workspace.shape[0] < num_pages:
             self.float_key_workspace = self.pool.kv.new_empty(num_pages, *page_shape).float()
-            self.float_value_workspace = torch.empty_like(self.float_key_workspace)
 
     def _plan_sparse(
         self, metadata: AttentionMetadata, decodes: torch.Tensor, kv_lens: torch.Tensor
@@ -136,55 +137,56 @@ class TorchBackend(AttentionBackend):
         page_size, device = self.pool.page_size, metadata.kv_indices.device
         kv_lens = kv_lens[decodes]
         max_kv = int(kv_lens.max())
-        pages, gathered_pages = self._decode_pages(metadata, decodes, -(-max_kv // page_size))
-        num_slots = (
-            self.pool.num_pages if gathered_pages is None else gathered_pages.numel()
-        ) * page_size
+        max_pages = -(-max_kv // page_size)
+        rows = decodes.to(device, non_blocking=True)
 
         # One row per (request, query head), padded to max_kv columns: the slot holding
         # each of the request's positions, as a row of K in the head's KV head.
         position = torch.arange(max_kv, device=device)
-        slots = pages[:, position // page_size] * page_size + position % page_size
         group_size = self.num_heads // self.num_kv_heads
         kv_head = torch.arange(self.num_heads, device=device) // group_size
-        columns = slots[:, None, :] * self.num_kv_heads + kv_head[:, None]  # [B, heads, max_kv]
         in_bounds = position < kv_lens.to(device, non_blocking=True)[:, None]
-        dense_index = in_bounds[:, None, :].expand_as(columns).flatten().nonzero().flatten()
+        dense_index = in_bounds[:, None, :].expand(-1, self.num_heads, -1).flatten()
+        dense_index = dense_index.nonzero().flatten()
+
+        def columns(pages: torch.Tensor) -> torch.Tensor:
+            """Each nonzero's column, for the page table `pages` `[B, max_pages]`."""
+            slots = pages[:, position // page_size] * page_size + position % page_size
+            all_columns = slots[:, None, :] * self.num_kv_heads + kv_head[:, None]
+            return all_columns.flatten()[dense_index]
+
+        value_columns = columns(_page_table(metadata.kv_indptr, metadata.kv_indices, rows, max_pages))
+        key_columns, num_key_pages, gathered_pages = value_columns, self.pool.num_pages, None
+        if self.gathers_keys:
+            # Gather the decodes' key pages, each once, and address the gathered copy: the
+            # same page table, renumbered to the copy's pages 0, 1, 2, ...
+            kv_indptr, entries = _select_rows(metadata.on_host("kv_indptr"), decodes)
+            gathered_pages = metadata.kv_indices[entries.to(device, non_blocking=True)].long()
+            num_key_pages = gathered_pages.numel()
+            copy_pages = _page_table(
+                kv_indptr.to(device, non_blocking=True),
+                torch.arange(num_key_pages, device=device),
+                torch.arange(len(decodes), device=device),
+                max_pages,
+            )
+            key_columns = columns(copy_pages)
 
         row_lengths = kv_lens.repeat_interleave(self.num_heads)
         crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
-        col = columns.flatten()[dense_index]
-        dtype = torch.float32 if self.gathers_decodes else self.pool.kv.dtype
-        pattern = _csr_matrix(
-            crow, col, torch.zeros(col.numel(), dtype=dtype, device=device),
-            (crow.numel() - 1, num_slots * self.num_kv_heads),
-        )
+        num_rows = crow.numel() - 1
+        dtype = torch.float32 if self.gathers_keys else self.pool.kv.dtype
+        num_key_rows = num_key_pages * page_size * self.num_kv_heads
         return SparseDecodeGroup(
-            query_rows=metadata.qo_indptr[:-1][decodes.to(device, non_blocking=True)].long(),
-            pattern=pattern,
-            dense_index=dense_index,
-            dense_scores=torch.full(
-                (crow.numel() - 1, max_kv), float("-inf"), dtype=dtype, device=device
+            query_rows=metadata.qo_indptr[:-1][rows].long(),
+            pattern=_csr_matrix(
+                crow, key_columns, torch.zeros(key_columns.numel(), dtype=dtype, device=device),
+                (num_rows, num_key_rows),
             ),
+            value_columns=value_columns,
+            dense_index=dense_index,
+            dense_scores=torch.full((num_rows, max_kv), float("-inf"), dtype=dtype, device=device),
             gathered_pages=gathered_pages,
         )
-
-    def _decode_pages(
-        self, metadata: AttentionMetadata, decodes: torch.Tensor, max_pages: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decodes' `[B, max_pages]` page table, in the pages attention reads: the
-        pool's own, or with a gathered copy, the copy's pages (then also returned: the
-        pool pages to gather, each once, in order)."""
-        device = metadata.kv_indices.device
-        if not self.gathers_decodes:
-            rows = decodes.to(device, non_blocking=True)
-            return _page_table(metadata.kv_indptr, metadata.kv_indices, rows, max_pages), None
-        kv_indptr, entries = _select_rows(metadata.on_host("kv_indptr"), decodes)
-        gathered_pages = metadata.kv_indices[entries.to(device, non_blocking=True)].long()
-        copy_pages = torch.arange(gathered_pages.numel(), device=device)
-        rows = torch.arange(len(decodes), device=device)
-        kv_indptr = kv_indptr.to(device, non_blocking=True)
-        return _page_table(kv_indptr, copy_pages, rows, max_pages), gathered_pages
 
     def _plan_padded(
         self,
@@ -254,34 +256,28 @@ class TorchBackend(AttentionBackend):
         v_cache: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
+        keys = k_cache
         if group.gathered_pages is not None:
-            k_cache = self._gather_as_float(k_cache, group.gathered_pages, self.float_key_workspace)
-            v_cache = self._gather_as_float(v_cache, group.gathered_pages, self.float_value_workspace)
+            gathered = _gather_pages(k_cache, group.gathered_pages, self.key_workspace)
+            keys = self.float_key_workspace[: gathered.shape[0]].copy_(gathered)  # exact
+        keys = keys.view(-1, self.head_dim)
         queries = q.index_select(0, group.query_rows).view(-1, self.head_dim)  # [B*heads, D]
-        queries = queries.to(k_cache.dtype)
-        keys, values = k_cache.view(-1, self.head_dim), v_cache.view(-1, self.head_dim)
         scores = torch.sparse.sampled_addmm(
-            group.pattern, queries, keys.t(), beta=0.0, alpha=self.head_dim**-0.5
+            group.pattern, queries.to(keys.dtype), keys.t(), beta=0.0, alpha=self.head_dim**-0.5
         ).values()
         # Softmax along each row: scatter the scores into a dense matrix padded with -inf,
         # where a row-wise softmax is one call, and read the weights back.
         dense = group.dense_scores
         dense.view(-1).index_copy_(0, group.dense_index, scores)
         weights = dense.softmax(dim=-1).view(-1).index_select(0, group.dense_index)
+        # Values are read in place in any dtype; in low precision the weights are rounded
+        # to it first, as SDPA rounds them before multiplying by the values.
         attended = F.embedding_bag(
-            group.pattern.col_indices(), values, group.pattern.crow_indices()[:-1],
-            mode="sum", per_sample_weights=weights,
+            group.value_columns, v_cache.view(-1, self.head_dim), group.pattern.crow_indices()[:-1],
+            mode="sum", per_sample_weights=weights.to(v_cache.dtype),
         )  # [B*heads, D]
         attended = attended.view(-1, self.num_heads, self.head_dim).to(out.dtype)
         out.index_copy_(0, group.query_rows, attended)
-
-    def _gather_as_float(
-        self, cache: torch.Tensor, pages: torch.Tensor, workspace: torch.Tensor
-    ) -> torch.Tensor:
-        """`pages` of a low-precision cache, gathered and converted into the front of a
-        float32 `workspace` (exactly: every bfloat16 or float16 value is a float32)."""
-        gathered = _gather_pages(cache, pages, self.key_workspace)
-        return workspace[: pages.numel()].copy_(gathered)
 
     def _attend_padded(
         self,
