@@ -17,6 +17,19 @@ updated); closing the stream then aborts the request and frees its pages. The in
 reply stays in the conversation as far as it was shown, so the model sees what the user saw.
 Ctrl-C or Ctrl-D at the prompt exits.
 
+The prompt belongs to the line editor (readline's `input(prompt)`), so editing a line or
+recalling history redraws it instead of wiping it. Typed lines are kept between runs in the
+user's data directory.
+
+Only the known commands are commands; any other line, `/usr/bin` included, is a message,
+and `//text` sends `/text`. Changing the system prompt starts a new conversation: the
+system prompt comes first in the rendered prompt, so nothing cached would be reused anyway,
+and the model never sees a conversation it did not start under that prompt.
+
+One conversation runs one request at a time, so the KV cache is sized for one sequence of
+`--max-model-len` tokens; on a CPU that defaults to at most `CPU_CONTEXT` tokens rather than
+the model's full context (often 32k or more, gigabytes of KV memory).
+
 When stdin is not a terminal (`printf 'hi\\nmore\\n' | python chat.py`), every line is one
 user message (or command) and only the answers are printed, one per message, reasoning
 left out, so the chat can be scripted.
@@ -24,31 +37,49 @@ left out, so the chat can be scripted.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import click
 from rich import box
 from rich.console import Console
+from rich.filesize import decimal
+from rich.markup import escape
 from rich.table import Table
 
 from nanoqwen import LLM, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.config import ModelConfig, resolve_device
 from nanoqwen.loader import resolve_model_path
-from nanoqwen.tokenizer import partial_match_length
+from nanoqwen.tokenizer import FALLBACK_SAMPLING, partial_match_length
 
-with suppress(ImportError):  # not on every platform; where present, input() gets line editing
-    import readline  # noqa: F401
+try:  # not on every platform; where present, input() gets line editing and history
+    import readline
+except ImportError:
+    readline = None
 
 THINK_START, THINK_END = "<think>", "</think>"
 PROMPT = "[bold cyan]you ›[/] "
-HELP = "Commands: /reset (new conversation) · /system TEXT (system prompt) · /stats · /exit"
+CLEAR_SYSTEM = "--clear"
+COMMANDS = ("/reset", "/system", "/stats", "/help", "/exit", "/quit")
+HELP = (
+    "Commands: /reset (new conversation) · /system (show the system prompt) · "
+    f"/system TEXT, /system {CLEAR_SYSTEM} (new conversation with that system prompt, or none) · "
+    "/stats · /help · /exit · //text sends /text"
+)
+HISTORY_LENGTH = 1000  # lines kept between runs
+# chat's longest conversation on a CPU unless --max-model-len says otherwise: a long chat
+# fits, and the KV cache stays a fraction of what the model's full context would take.
+CPU_CONTEXT = 8192
 Message = dict[str, str]
 
 
@@ -196,23 +227,40 @@ class ChatSession:
 
     def handle(self, line: str) -> bool:
         """Act on one line of input; False means the user asked to leave."""
-        if not line.startswith("/"):
-            self.reply(line)
-            return True
         command, _, argument = line.partition(" ")
+        if command not in COMMANDS:  # a message, even one like "/usr/bin"; "//x" sends "/x"
+            self.reply(line[1:] if line.startswith("//") else line)
+            return True
         if command in ("/exit", "/quit"):
             return False
         if command == "/reset":
             self.messages = []
             self._notice("New conversation.")
         elif command == "/system":
-            self.system = argument.strip() or None
-            self._notice(f"System prompt: {self.system or '(none)'}")
+            self._system_command(argument.strip())
         elif command == "/stats":
             self.console.print(stats_table(self.llm.stats()))
         else:
             self.console.print(HELP, markup=False)
         return True
+
+    def _system_command(self, argument: str) -> None:
+        """Show the system prompt, or start a new conversation with another one (or none).
+
+        Keeping the history under a new system prompt would recompute all of it (the system
+        prompt comes first, so no cached page matches) and show the model a conversation it
+        never had; a new conversation says plainly what happens.
+        """
+        if not argument:
+            shown = f"System prompt: {self.system}" if self.system else "No system prompt."
+            self.console.print(shown, markup=False)
+            return
+        self.system = None if argument == CLEAR_SYSTEM else argument
+        self.messages = []
+        if self.system:
+            self._notice(f"New conversation with the system prompt: {self.system}")
+        else:
+            self._notice("New conversation without a system prompt.")
 
     def reply(self, user_text: str) -> None:
         self.messages.append({"role": "user", "content": user_text})
@@ -221,7 +269,10 @@ class ChatSession:
             text, stats = self._stream(prompt_ids)
         except ValueError as error:  # the prompt was refused, e.g. longer than max_model_len
             self.messages.pop()
-            self.console.print(f"error: {error} (/reset starts over)", style="red", markup=False)
+            self.console.print(
+                f"error: {error}. /reset starts over; --max-model-len allows longer chats.",
+                style="red", markup=False,
+            )
             return
         self.messages.append({"role": "assistant", "content": text})
         if self.interactive:
@@ -265,7 +316,7 @@ def stats_table(stats: dict[str, Any]) -> Table:
 
 def read_lines(console: Console, interactive: bool) -> Iterator[str]:
     """User input, one stripped non-empty line at a time, until EOF, Ctrl-D or Ctrl-C."""
-    lines = _typed_lines(console) if interactive else sys.stdin
+    lines = _typed_lines(editor_prompt(console, PROMPT)) if interactive else sys.stdin
     try:
         for line in lines:
             if line.strip():
@@ -274,9 +325,47 @@ def read_lines(console: Console, interactive: bool) -> Iterator[str]:
         console.out("")
 
 
-def _typed_lines(console: Console) -> Iterator[str]:
+def _typed_lines(prompt: str) -> Iterator[str]:
     while True:
-        yield console.input(PROMPT)
+        yield input(prompt)
+
+
+def editor_prompt(console: Console, markup: str) -> str:
+    """`markup` rendered for `input()`, which lets the line editor redraw it with the line.
+
+    Printed by anyone else, the prompt is wiped when the editor redraws the line (Ctrl-U,
+    history). readline measures the prompt to place the cursor, so its colour codes, which
+    take no room on screen, are wrapped in \\001 and \\002 to be left out of the count.
+    """
+    with console.capture() as captured:
+        console.print(markup, end="")
+    return re.sub(r"(\x1b\[[0-9;]*m)", "\001\\1\002", captured.get())
+
+
+def history_file() -> Path:
+    """Where typed lines are kept between runs: the user's data directory (XDG)."""
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data_home) / "nanoqwen" / "chat_history"
+
+
+@contextmanager
+def line_history(console: Console) -> Iterator[None]:
+    """Up-arrow recalls lines of earlier runs too; the last `HISTORY_LENGTH` are saved."""
+    if readline is None:
+        yield
+        return
+    path = history_file()
+    with suppress(FileNotFoundError):
+        readline.read_history_file(path)
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        yield
+    finally:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as error:
+            console.print(f"history not saved: {error}", style="dim", markup=False)
 
 
 def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
@@ -284,67 +373,113 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
     with console.status(f"Finding {model}…"):
         try:
             model_dir = resolve_model_path(model)
-        except ValueError as error:
-            raise click.ClickException(
-                f"{error}. Try --model /path/to/dir with a local checkpoint."
-            ) from None
+        except ValueError as error:  # it already says what to pass instead
+            raise click.ClickException(f"--model: {error}") from None
     with console.status("Loading weights and warming up…"):
         try:
-            return LLM(model_dir, **options)
+            return LLM(model_dir, **one_conversation(model_dir, options))
         except (ValueError, OSError) as error:
             raise click.ClickException(str(error).splitlines()[0]) from None
 
 
-# --------------------------------------------------------------------------- the command
+def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Engine options with a KV cache for one sequence of `max_model_len` tokens.
+
+    The engine's own default makes room for many sequences; a chat runs one. Without
+    `--max-model-len` that is the model's context, capped at `CPU_CONTEXT` on a CPU.
+    `--num-pages` or `--kv-cache-memory` size the cache themselves.
+    """
+    options = dict(options)
+    if "max_model_len" not in options:
+        context = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+        if resolve_device(options.get("device")).type == "cpu":
+            context = min(context, CPU_CONTEXT)
+        options["max_model_len"] = context
+    if "num_pages" not in options and "kv_cache_memory" not in options:
+        pages = -(-options["max_model_len"] // options["page_size"])
+        options["num_pages"] = pages + 1  # the pool keeps one page as scratch
+    return options
+
+
+def sampling_settings(llm: LLM, options: dict[str, Any]) -> dict[str, Any]:
+    """The model's sampling defaults, overridden by the options given on the command line."""
+    given = {name: value for name, value in options.items() if value is not None}
+    return {**llm.tokenizer.sampling_defaults, **given}
+
+
+def banner(llm: LLM, model: str, sampling: dict[str, Any], load_seconds: float) -> str:
+    """What runs where, how much conversation the KV cache holds, and how replies sample."""
+    config, stats = llm.engine.config, llm.stats()
+    dtype = str(config.dtype).removeprefix("torch.")
+    settings = ", ".join(f"{name} {value}" for name, value in sampling.items())
+    return (
+        f"[bold]{escape(model)}[/] on {config.device} ({dtype}) · "
+        f"{stats['pages_total'] * stats['page_size']:,} tokens of KV cache "
+        f"({decimal(stats['kv_cache_bytes'])}) · loaded in {load_seconds:.1f} s\n"
+        f"[dim]sampling: {escape(settings)}[/]"
+    )
+
+
+SAMPLING_HELP = (
+    "Sampling options left out take the model's settings from its generation_config.json "
+    "or, when it has none, "
+    + ", ".join(f"{name} {value}" for name, value in FALLBACK_SAMPLING.items())
+    + " (and min_p, repetition_penalty off)."
+)
+MAX_MODEL_LEN_HELP = (
+    "Longest conversation, prompt plus reply, in tokens; the KV cache holds that much. "
+    f"Default: the model's context, at most {CPU_CONTEXT} on a CPU."
+)
+
+
 # One conversation runs one request at a time: no KV memory or graphs for a bigger batch.
-@click.command(context_settings={
-    "show_default": True,
-    "help_option_names": ["-h", "--help"],
-    "default_map": {"max_num_seqs": 1},
-})
+@click.command(
+    epilog=SAMPLING_HELP,
+    context_settings={
+        "show_default": True,
+        "help_option_names": ["-h", "--help"],
+        "default_map": {"max_num_seqs": 1},
+    },
+)
 @click.option("--model", default="Qwen/Qwen3-0.6B",
               help="Hugging Face hub id or local checkpoint directory.")
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--temperature", default=0.6, type=click.FloatRange(min=0), help="0 is greedy.")
-@click.option("--top-p", default=0.95, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--top-k", default=20, type=click.IntRange(min=0), help="0 turns it off.")
+@click.option("--temperature", type=click.FloatRange(min=0),
+              help="0 is greedy. Default: the model's.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Default: the model's.")
+@click.option("--top-k", type=click.IntRange(min=0), help="0 turns it off. Default: the model's.")
+@click.option("--min-p", type=click.FloatRange(0, 1), help="0 turns it off. Default: the model's.")
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True),
+              help="1 turns it off. Default: the model's.")
 @click.option("--max-tokens", default=2048, type=click.IntRange(min=1),
               help="Most tokens in one reply.")
 @click.option("--seed", default=None, type=int, help="Sampling seed, for repeatable replies.")
 @click.option("--no-think", is_flag=True, help="Ask Qwen3 to answer without reasoning first.")
 @engine_options
-def main(
-    model: str,
-    system: str | None,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    max_tokens: int,
-    seed: int | None,
-    no_think: bool,
-    **options: Any,
-) -> None:
+def main(model: str, system: str | None, no_think: bool, **options: Any) -> None:
     """Chat with a Qwen2/Qwen3 model in the terminal; replies stream as they are generated."""
-    params = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed
-    )
     console = Console(highlight=False)
     interactive = sys.stdin.isatty()
-    options = pop_engine_options(options)
+    engine = pop_engine_options(options)
     started = time.perf_counter()
-    llm = load(model, console, options)
+    llm = load(model, console, engine)
+    sampling = sampling_settings(llm, options)
+    try:
+        params = SamplingParams(**sampling)
+    except ValueError as error:  # a bad value in generation_config.json
+        raise click.ClickException(str(error)) from None
     if interactive:
-        config, stats = llm.engine.config, llm.stats()
-        console.print(
-            f"[bold]{model}[/] on {config.device} ({str(config.dtype).removeprefix('torch.')}) · "
-            f"{stats['pages_total']} KV pages of {stats['page_size']} tokens · "
-            f"loaded in {time.perf_counter() - started:.1f} s",
-        )
+        console.print(banner(llm, model, sampling, time.perf_counter() - started))
         console.print(f"{HELP} · Ctrl-C stops a reply", style="dim", markup=False)
     session = ChatSession(llm, params, False if no_think else None, system, console, interactive)
-    for line in read_lines(console, interactive):
-        if not session.handle(line):
-            break
+    with line_history(console) if interactive else nullcontext():
+        for line in read_lines(console, interactive):
+            if not session.handle(line):
+                break
+
+
+# The engine's --max-model-len defaults to the model's context; chat's is capped on a CPU.
+next(option for option in main.params if option.name == "max_model_len").help = MAX_MODEL_LEN_HELP
 
 
 if __name__ == "__main__":

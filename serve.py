@@ -4,10 +4,11 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), and GET / (a chat page). Ctrl-C (SIGINT) or SIGTERM stops it
-cleanly: requests in flight are aborted and answered before the process exits.
+within seconds: requests in flight are aborted and answered before the process exits.
 """
 
 import logging
+import resource
 import signal
 import threading
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import click
 
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.server import DEFAULT_MAX_QUEUE, make_server
+from nanoqwen.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUE, make_server
 
 logger = logging.getLogger("nanoqwen.serve")
 
@@ -36,25 +37,43 @@ logger = logging.getLogger("nanoqwen.serve")
     "--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
     help="Seconds after which an unfinished request is aborted (504). Default: no limit.",
 )
-@click.option("--served-model-name", default=None, help="Model name in the API. Default: --model.")
+@click.option(
+    "--max-connections", default=DEFAULT_MAX_CONNECTIONS, type=click.IntRange(min=1),
+    help="Connections served at once; more get 503.",
+)
+@click.option(
+    "--allowed-origins", multiple=True, metavar="ORIGIN",
+    help="Web origin (e.g. http://localhost:3000) whose pages may call the API; '*' allows "
+    "any. Repeatable. Default: only the server's own page.",
+)
+@click.option(
+    "--served-model-name", default=None,
+    help="Model id in the API. Default: the checkpoint's directory name, or the hub id.",
+)
 @engine_options
 def main(
     model: str, host: str, port: int, api_key: str | None, max_queue: int,
-    request_timeout: float | None, served_model_name: str | None, **options: Any,
+    request_timeout: float | None, max_connections: int, allowed_origins: tuple[str, ...],
+    served_model_name: str | None, **options: Any,
 ) -> None:
     """Serve a Qwen2/Qwen3 checkpoint over an OpenAI-compatible HTTP API."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    allow_file_descriptors(max_connections)
     logger.info("loading %s", model)
     try:
         server = make_server(
             model, host, port, served_model_name=served_model_name, api_key=api_key,
             max_queue=max_queue, request_timeout=request_timeout,
+            max_connections=max_connections, allowed_origins=allowed_origins,
             **pop_engine_options(options),
         )
     except ValueError as error:  # a setting the engine or the server refuses
         raise click.ClickException(str(error)) from error
     bound_host, bound_port = server.server_address[:2]
-    logger.info("serving %s on http://%s:%d (Ctrl-C stops)", model, bound_host, bound_port)
+    logger.info(
+        "serving %s as model %r on http://%s:%d (Ctrl-C stops)",
+        model, server.settings.model_name, bound_host, bound_port,
+    )
 
     # serve_forever runs in a thread so the main thread is free to catch the signal and
     # call shutdown(), which waits for serve_forever to return.
@@ -69,6 +88,18 @@ def main(
     server.server_close()
     serving.join()
     logger.info("stopped")
+
+
+def allow_file_descriptors(max_connections: int) -> None:
+    """Raise this process's soft limit on open files so every connection can have one."""
+    wanted = max_connections + 256  # and room for the model's files, logs, the listener
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        if limit < wanted:
+            logger.warning("only %d open files allowed; lower --max-connections to %d",
+                           limit, max(1, limit - 256))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, EngineConfig
+from nanoqwen.config import ATTENTION_BACKEND_NAMES, DTYPES, QUANTIZATION_MODES, EngineConfig
 from nanoqwen.runner import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -49,10 +49,14 @@ ENGINE_OPTIONS = [
                  type=click.Choice([name for name in ATTENTION_BACKEND_NAMES if name]),
                  help="Attention implementation. Default: flashinfer on CUDA when it can run "
                       "the model, else torch; reference is the textbook one, for comparison."),
+    click.option("--quantization", default=None, type=click.Choice(QUANTIZATION_MODES),
+                 help="Keep linear weights as int8 or int4 in memory (none: in --dtype). "
+                 "Default: as the checkpoint has them (GPTQ, AWQ, GGUF), else none."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
+    "quantization",
 )
 
 

@@ -1,13 +1,16 @@
 """Settings: what the engine is asked to do, and what shape the model has.
 
-Two small dataclasses keep every number the rest of the code needs in one place:
+A few small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
   memory, chunk size, caching, graphs) and validates them before anything is loaded,
   so a typo in a dtype fails in one clear line instead of deep inside a kernel.
-* `ModelConfig` is the model's shape, read from the checkpoint's `config.json` through
-  transformers' `AutoConfig`. The decoder in `model.py` is built from it alone; the
-  transformers config object rides along because its rotary-embedding helpers need it.
+* `ModelConfig` is the model's shape, read from the checkpoint's `config.json` (or a GGUF
+  file's metadata) through transformers' `AutoConfig`. The decoder in `model.py` is built
+  from it alone; the transformers config object rides along because its rotary-embedding
+  helpers need it. It also says how the checkpoint stores its weights: `PackedWeights`
+  for GPTQ/AWQ integer layouts, and `quantization`, the `WeightQuantization` that keeps
+  them about as small in memory at run time.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+from nanoqwen.gguf_checkpoint import is_gguf_file, read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
@@ -30,6 +35,10 @@ DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+# How linear weights are kept in memory: as the dtype ("none"), or as 8/4-bit integers.
+QUANTIZATION_MODES = ("none", "int8", "int4")
+# GGML's 4- and 5-bit types give every 32 weights (a block or sub-block) their own scale.
+GGUF_GROUP_SIZE = 32
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -82,6 +91,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # "reference", "torch" or "flashinfer"; None picks the fastest that can run the model.
     attention_backend: str | None = None
+    # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
+    # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -103,6 +115,11 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}: use one of "
+                + ", ".join(QUANTIZATION_MODES)
             )
         if self.chunk_size is None:
             # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
@@ -131,6 +148,69 @@ def _require_positive_int(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class WeightQuantization:
+    """Linear weights kept as integers in memory and dequantized inside the matmul."""
+
+    mode: str  # "int8": one scale per output row; "int4": a scale and zero per group
+    group_size: int = 128  # int4: consecutive input channels that share a scale and zero
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """How a GPTQ or AWQ checkpoint packs its integer weights (`quantization_config`).
+
+    Every quantized linear is stored as integer codes `qweight`, one zero point per group
+    `qzeros` (both packed several to an int32), and one scale per group `scales`; the
+    weight is `(code - zero) * scale`. `gptq_awq.py` unpacks them.
+    """
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # input channels per group; -1: the whole row is one group
+    zero_offset: int  # GPTQ's original format stores every zero point minus one
+
+    @classmethod
+    def from_hf(cls, quantization_config: dict[str, Any], source: str) -> PackedWeights:
+        method = quantization_config.get("quant_method")
+        bits = quantization_config.get("bits")
+        group_size = quantization_config.get("group_size", 128)
+        allowed_bits = {"gptq": (4, 8), "awq": (4,)}
+        if method not in allowed_bits:
+            raise ValueError(
+                f"{source}: quantization method {method!r} is not supported; nanoqwen loads "
+                "gptq and awq checkpoints and GGUF files"
+            )
+        if bits not in allowed_bits[method]:
+            raise ValueError(f"{source}: {method} with {bits} bits is not supported")
+        whole_rows = group_size == -1 and method == "gptq"
+        if not isinstance(group_size, int) or not (group_size > 0 or whole_rows):
+            raise ValueError(f"{source}: unsupported {method} group_size {group_size!r}")
+        if method == "awq":
+            version = str(quantization_config.get("version", "gemm")).lower()
+            if version != "gemm" or not quantization_config.get("zero_point", True):
+                raise ValueError(
+                    f"{source}: only AWQ's GEMM layout with zero points is supported "
+                    f"(this one is version {version!r})"
+                )
+            return cls("awq", bits, group_size, zero_offset=0)
+        checkpoint_format = quantization_config.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(f"{source}: unsupported GPTQ checkpoint_format {checkpoint_format!r}")
+        return cls("gptq", bits, group_size, zero_offset=1 if checkpoint_format == "gptq" else 0)
+
+    def runtime_quantization(self) -> WeightQuantization | None:
+        return quantization_for_bits(self.bits, self.group_size if self.group_size > 0 else 128)
+
+
+def quantization_for_bits(bits: int, group_size: int) -> WeightQuantization | None:
+    """What keeps a checkpoint's `bits`-bit weights about as small in memory: int4 up to
+    5 bits, int8 up to 8, and the dtype itself above that."""
+    if bits <= 5:
+        return WeightQuantization("int4", group_size)
+    return WeightQuantization("int8") if bits <= 8 else None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape: the only facts `model.py` needs about a checkpoint."""
 
@@ -149,17 +229,33 @@ class ModelConfig:
     max_position_embeddings: int
     rope_type: str
     hf_config: PretrainedConfig
+    packed_weights: PackedWeights | None = None  # a GPTQ/AWQ checkpoint's integer layout
+    # How small the checkpoint keeps its weights, and so the run-time default.
+    quantization: WeightQuantization | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> ModelConfig:
+    def from_pretrained(cls, path: str) -> ModelConfig:
+        """The config of a checkpoint directory or a GGUF file."""
+        if is_gguf_file(path):
+            hf, bits = read_gguf_config(path)
+            return cls.from_hf(hf, quantization=quantization_for_bits(bits, GGUF_GROUP_SIZE))
         try:
-            hf = AutoConfig.from_pretrained(model_dir)
+            hf = AutoConfig.from_pretrained(path)
         except (OSError, ValueError, KeyError) as error:
-            raise ValueError(f"could not read the model config in {model_dir}: {error}") from error
-        return cls.from_hf(hf)
+            raise ValueError(f"could not read the model config in {path}: {error}") from error
+        packed = getattr(hf, "quantization_config", None)
+        if packed is None:
+            return cls.from_hf(hf)
+        packed = PackedWeights.from_hf(packed, source=f"{path}/config.json")
+        return cls.from_hf(hf, packed, packed.runtime_quantization())
 
     @classmethod
-    def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:
+    def from_hf(
+        cls,
+        hf: PretrainedConfig,
+        packed_weights: PackedWeights | None = None,
+        quantization: WeightQuantization | None = None,
+    ) -> ModelConfig:
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -189,4 +285,6 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope_type=rope_type,
             hf_config=hf,
+            packed_weights=packed_weights,
+            quantization=quantization,
         )

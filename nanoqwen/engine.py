@@ -58,13 +58,15 @@ class StepError(RuntimeError):
     """A step failed after its batch was scheduled (a bug, or a failing device).
 
     The batch's requests are still in the engine, untouched by the failed step: the caller
-    decides their fate (a server aborts them and answers 500, then keeps serving). The
-    original exception is the `__cause__`.
+    decides their fate (a server aborts them and answers 500, then keeps serving). Requests
+    the same step had already finished (the scheduler's out-of-memory ones) are in
+    `finished`, with their final outputs. The original exception is the `__cause__`.
     """
 
-    def __init__(self, request_ids: list[str]) -> None:
+    def __init__(self, request_ids: list[str], finished: list[RequestOutput]) -> None:
         super().__init__(f"the engine step failed for requests {', '.join(request_ids)}")
         self.request_ids = request_ids
+        self.finished = finished
 
 
 class LLMEngine:
@@ -162,7 +164,8 @@ class LLMEngine:
         try:
             sampled = self.runner.run(batch)
         except Exception as error:
-            raise StepError([request.request_id for request in batch.requests]) from error
+            failed = [request.request_id for request in batch.requests]
+            raise StepError(failed, outputs) from error
         return outputs + self._postprocess(batch, sampled)
 
     def _postprocess(
@@ -245,6 +248,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
+            "kv_cache_bytes": pool.kv.nbytes,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,

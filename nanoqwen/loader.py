@@ -1,15 +1,20 @@
-"""Find a checkpoint and stream its safetensors weights into the fused model.
+"""Find a checkpoint and stream its weights into the fused model.
 
 A checkpoint is a directory with `config.json`, tokenizer files and one or more
 `.safetensors` files (several "shards" plus a `model.safetensors.index.json` for large
-models). A hub id such as `Qwen/Qwen3-0.6B` is downloaded first, fetching only those
-files.
+models), or a single llama.cpp `.gguf` file. A hub id such as `Qwen/Qwen3-0.6B` is
+downloaded first, fetching only those files.
 
 Loading reads one tensor at a time, so peak memory is the model plus one tensor, and
 maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
 row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
 don't know, or one of the wrong shape is an error naming that weight.
+
+Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
+dequantized as they are read (`gguf_checkpoint.py`), a GPTQ/AWQ layer's packed integers
+unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
+weights as int8 or int4 again, with the kernels torchao has for them.
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 
-from nanoqwen.config import ModelConfig
+from nanoqwen.config import ModelConfig, PackedWeights, WeightQuantization
+from nanoqwen.gguf_checkpoint import is_gguf_file, iter_gguf_tensors
+from nanoqwen.gptq_awq import unpack_checkpoint
 from nanoqwen.model import QwenForCausalLM, RotaryEmbedding
+from nanoqwen.quantization import quantize_linears
 
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 # transformers name → (our fused parameter, index of its block).
@@ -38,10 +46,15 @@ FUSED = {
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is; otherwise a hub id, downloaded (or found in the local cache)."""
-    if os.path.isdir(model):
+    """A local directory or GGUF file as is; otherwise a hub id, downloaded (or found in the
+    local cache)."""
+    if os.path.isdir(model) or is_gguf_file(model):
         return model
-    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") != 1
+    if os.path.isfile(model):
+        raise ValueError(f"{model} is a file: pass a checkpoint directory or a .gguf file")
+    looks_like_path = (
+        model.startswith((".", "/", "~")) or model.count("/") != 1 or model.endswith(".gguf")
+    )
     if looks_like_path:
         raise ValueError(f"model path not found: {model}")
     try:
@@ -53,8 +66,19 @@ def resolve_model_path(model: str) -> str:
         ) from error
 
 
-def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> QwenForCausalLM:
-    """Build the decoder on `device` in `dtype` and fill it from the checkpoint."""
+def load_model(
+    path: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+) -> QwenForCausalLM:
+    """Build the decoder on `device` in `dtype` and fill it from the checkpoint at `path`.
+
+    `quantization` ("none", "int8", "int4", or None to follow the checkpoint) says how the
+    linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
+    memory peaks at the full-precision model before the quantized weights replace them.
+    """
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
         model = QwenForCausalLM(config)
@@ -63,16 +87,42 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
-    for name, tensor in iter_checkpoint(model_dir):
+    if is_gguf_file(path):
+        tensors = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
+    else:
+        tensors = iter_checkpoint(path, config.packed_weights)
+    for name, tensor in tensors:
         target, block = map_name(name, config)
-        if target is None:
+        if target is None or (target not in params and is_unused_zero_bias(name, tensor, config)):
             continue
         if target not in params:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint {model_dir}")
+            raise ValueError(f"unexpected weight {name!r} in checkpoint {path}")
         copy_block(params[target], tensor, block, config, name)
         filled[target].add(block)
-    check_all_filled(filled, config, model_dir)
+    check_all_filled(filled, config, path)
+    scheme = runtime_quantization(quantization, config)
+    if scheme is not None:
+        quantize_linears(model, scheme)
     return model.eval()
+
+
+def runtime_quantization(
+    quantization: str | None, config: ModelConfig
+) -> WeightQuantization | None:
+    """What `quantization` asks for: None follows the checkpoint, "none" keeps full weights."""
+    if quantization is None:
+        return config.quantization
+    if quantization == "none":
+        return None
+    checkpoint = config.quantization
+    if quantization == "int4" and checkpoint is not None and checkpoint.mode == "int4":
+        return checkpoint  # with the checkpoint's group size
+    return WeightQuantization(quantization)
+
+
+def is_unused_zero_bias(name: str, tensor: torch.Tensor, config: ModelConfig) -> bool:
+    """GPTQ tools store a bias of zeros for every quantized layer, even those without one."""
+    return config.packed_weights is not None and name.endswith(".bias") and not tensor.any()
 
 
 @contextmanager
@@ -85,8 +135,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every safetensors shard, one tensor at a time."""
+def iter_checkpoint(
+    model_dir: str, packed: PackedWeights | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every safetensors shard, one tensor at a time; a GPTQ/AWQ
+    layer's packed parts as one unpacked `weight`."""
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -95,10 +148,21 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"no .safetensors weights found in {model_dir}")
-    for file in files:
-        with safe_open(os.path.join(model_dir, file), framework="pt", device="cpu") as shard:
-            for name in shard.keys():
-                yield name, shard.get_tensor(name)
+    with ExitStack() as stack:
+        # A layer's packed parts may sit in different shards: keep them all open.
+        shard_of = {}
+        for file in files:
+            path = os.path.join(model_dir, file)
+            shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            shard_of.update(dict.fromkeys(shard.keys(), shard))
+
+        def read(name: str) -> torch.Tensor:
+            return shard_of[name].get_tensor(name)
+
+        if packed is None:
+            yield from ((name, read(name)) for name in shard_of)
+        else:
+            yield from unpack_checkpoint(shard_of, read, packed)
 
 
 def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:
@@ -140,6 +204,17 @@ def fused_name(name: str) -> str:
     for part, (fused, _) in FUSED.items():
         name = name.replace(f".{part}.", f".{fused}.")
     return name
+
+
+def checkpoint_names(params: dict[str, torch.Tensor]) -> list[str]:
+    """transformers' names of the weights that fill `params`: fused ones split up again."""
+    names = []
+    for name in params:
+        parts = [part for part, (fused, _) in FUSED.items() if f".{fused}." in name]
+        names.extend(name.replace(f".{FUSED[part][0]}.", f".{part}.") for part in parts)
+        if not parts:
+            names.append(name)
+    return names
 
 
 def check_all_filled(filled: dict[str, set[int]], config: ModelConfig, model_dir: str) -> None:

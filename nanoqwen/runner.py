@@ -69,7 +69,9 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device: torch.device = config.device
         self.max_model_len = max_model_len
-        self.model = load_model(checkpoint, model_config, config.dtype, self.device)
+        self.model = load_model(
+            checkpoint, model_config, config.dtype, self.device, quantization=config.quantization
+        )
         self.sampler = Sampler()
         # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
         self.backend_class = attention_backend_class(

@@ -1,7 +1,8 @@
 """The engine's text side: encoding prompts, and turning a stream of tokens back into text.
 
 Encoding is the easy half and belongs to the model's own tokenizer: `Tokenizer` wraps
-`transformers.AutoTokenizer` and adds what an engine needs besides, the chat template rendered
+`transformers.AutoTokenizer` (built from the checkpoint's tokenizer files, or a GGUF file's
+metadata) and adds what an engine needs besides, the chat template rendered
 straight to ids and the set of end-of-sequence ids from `generation_config.json`.
 
 Decoding while streaming is the subtle half, handled by `IncrementalDetokenizer`, one per request.
@@ -33,6 +34,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
+from nanoqwen.gguf_checkpoint import is_gguf_file, load_gguf_tokenizer
+
 REPLACEMENT_CHAR = "\ufffd"
 
 # The generation_config.json fields that are sampling settings, named as in SamplingParams.
@@ -50,8 +53,13 @@ class Tokenizer:
     """A model's tokenizer, chat template and end-of-sequence ids."""
 
     def __init__(self, path: str | Path) -> None:
-        self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
-        generation_config = _read_generation_config(path)
+        """From a checkpoint directory, or a GGUF file (which has no generation config)."""
+        if is_gguf_file(str(path)):
+            self._hf: PreTrainedTokenizerBase = load_gguf_tokenizer(str(path))
+            generation_config = {}
+        else:
+            self._hf = AutoTokenizer.from_pretrained(path)
+            generation_config = _read_generation_config(path)
         self.eos_token_ids: frozenset[int] = _read_eos_token_ids(
             generation_config, self._hf.eos_token_id
         )

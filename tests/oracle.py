@@ -6,6 +6,7 @@ requests' page tables and the prefix tree, who holds every page of the KV pool, 
 checks that the pool's free list and reference counts agree.
 """
 
+import os
 from collections import Counter
 from functools import lru_cache
 
@@ -18,7 +19,9 @@ from nanoqwen.kv_pool import SCRATCH_PAGE
 
 @lru_cache(maxsize=8)
 def hf_model(model_dir: str) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' model of a checkpoint directory, or of a GGUF file (dequantized)."""
+    directory, gguf_file = os.path.split(model_dir) if model_dir.endswith(".gguf") else (model_dir, None)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32).eval()
 
 
 @torch.no_grad()

@@ -16,10 +16,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanoqwen"
 # Lowest layer first. A module may import modules of its own layer or of a lower one,
 # never of a higher one; within a layer, imports must not form a cycle.
 LAYERS = [
-    {"config", "kv_pool"},
+    {"config", "kv_pool", "gguf_checkpoint"},
     {
         "sampler", "tokenizer", "request", "radix_cache", "attention", "attention_torch",
-        "attention_flashinfer", "model", "loader", "batch",
+        "attention_flashinfer", "model", "loader", "batch", "quantization", "gptq_awq",
     },
     {"cuda_graph", "scheduler", "runner"},
     {"engine"},

@@ -1,27 +1,37 @@
 """chat.py: the think splitter and status line in process, the CLI end to end.
 
 End-to-end tests drive `python chat.py` against the tiny Qwen3 fixture, either through a
-pseudo-terminal (pexpect: the interactive UI, Ctrl-C) or with piped stdin (the scripted
-mode, whose output is compared with the engine's own greedy replies). Greedy decoding with
+pseudo-terminal (pexpect: the interactive UI, Ctrl-C, line editing) or with piped stdin (the
+scripted mode, whose output is compared with the engine's own replies). Greedy decoding with
 small `--max-tokens` keeps the replies deterministic and short; `--page-size 4` makes even
-a short prompt fill whole pages, so the prefix cache has something to reuse.
+a short prompt fill whole pages, so the prefix cache has something to reuse. Line editing is
+checked on the screen a terminal emulator (pyte) draws from the pty's output, the way a
+user sees it. Every test keeps chat's history file in a temporary data directory.
 """
 
 import importlib.util
 import io
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from contextlib import suppress
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pexpect
+import pyte
 import pytest
 from rich.console import Console
+from rich.filesize import decimal
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.tokenizer import FALLBACK_SAMPLING
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_SCRIPT = ROOT / "chat.py"
@@ -33,8 +43,9 @@ STATUS = re.compile(
     r"(\d+)\s+tokens\s+·.*?(\d+)/(\d+)\s+prompt\s+tokens\s+from\s+cache(\s+·\s+interrupted)?\r\n",
     re.DOTALL,
 )
-# A plain-text terminal: no colours, no cursor movement, no spinner.
-TERMINAL_ENV = {**os.environ, "TERM": "dumb"}
+# Keys as a terminal sends them.
+UP, DOWN, CTRL_U = "\x1b[A", "\x1b[B", "\x15"
+SCREEN_ROWS, SCREEN_COLUMNS = 50, 120
 
 
 def import_chat() -> ModuleType:
@@ -47,6 +58,23 @@ def import_chat() -> ModuleType:
 
 
 chat = import_chat()
+
+
+@pytest.fixture(autouse=True)
+def data_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """chat.py keeps its line history under $XDG_DATA_HOME: here, not in the real home."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def model_copy(model_dir: str, directory: Path, **json_updates: dict[str, Any]) -> str:
+    """A copy of a checkpoint with some fields of its JSON files changed, e.g.
+    `generation_config={"top_k": 1}` updates generation_config.json."""
+    shutil.copytree(model_dir, directory)
+    for name, updates in json_updates.items():
+        path = directory / f"{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **updates}))
+    return str(directory)
 
 
 # --------------------------------------------------------------------------- in process
@@ -111,8 +139,9 @@ def test_deferred_interrupt_turns_ctrl_c_into_a_flag() -> None:
 
 
 # --------------------------------------------------------------------------- the CLI
-def chat_args(model_dir: str, *extra: str) -> list[str]:
-    return [str(CHAT_SCRIPT), "--model", model_dir, "--temperature", "0", "--page-size", "4",
+def chat_args(model_dir: str, *extra: str, greedy: bool = True) -> list[str]:
+    sampling = ["--temperature", "0"] if greedy else []
+    return [str(CHAT_SCRIPT), "--model", model_dir, *sampling, "--page-size", "4",
             "--system", SYSTEM, *extra]
 
 
@@ -154,22 +183,87 @@ def test_piped_stdin_gets_one_plain_reply_per_line(qwen3_dir: str) -> None:
     assert result.stdout == f"{first}\n{second}\n"
 
 
-def test_piped_commands_system_reset_stats_exit(qwen3_dir: str) -> None:
-    lines = ["/system Be terse.", "hi", "/reset", "", "hello again", "/stats", "/exit", "unread"]
+def test_piped_commands_and_messages_that_start_with_a_slash(qwen3_dir: str) -> None:
+    lines = [
+        "/system", "/system Be terse.", "hi", "/system", "/reset", "", "hello again",
+        "/system Be brief.", "once more", "/system --clear", "/system",
+        "/usr/bin is a folder", "//reset", "/stats", "/exit", "unread",
+    ]
     result = run_piped(chat_args(qwen3_dir, "--max-tokens", "6", "--no-think"), lines)
     assert result.returncode == 0, result.stderr
-    # /reset forgets "hi" and its reply but keeps the system prompt /system set.
     llm, params = oracle(qwen3_dir, max_tokens=6)
-    first = converse(llm, params, [system("Be terse.")], "hi", enable_thinking=False)
-    second = converse(llm, params, [system("Be terse.")], "hello again", enable_thinking=False)
-    assert result.stdout.startswith(f"{first}\n{second}\n")
-    table = result.stdout[len(first) + len(second) + 2 :]
+
+    def answer(messages: list[dict[str, str]], text: str) -> str:
+        return converse(llm, params, messages, text, enable_thinking=False)
+
+    expected = [
+        f"System prompt: {SYSTEM}",
+        answer([system("Be terse.")], "hi"),
+        "System prompt: Be terse.",
+        answer([system("Be terse.")], "hello again"),  # /reset keeps the system prompt
+        answer([system("Be brief.")], "once more"),  # /system TEXT starts a new conversation
+        "No system prompt.",
+    ]
+    # Not commands, so messages: a path, and "//reset" sent as "/reset".
+    unknown: list[dict[str, str]] = []
+    expected += [answer(unknown, "/usr/bin is a folder"), answer(unknown, "/reset")]
+    replies = "".join(f"{line}\n" for line in expected)
+    assert result.stdout.startswith(replies)
+    table = result.stdout[len(replies) :]
     assert re.search(r"pages_used\s+0\b", table)
     # Nothing after the table: the line after /exit was never answered.
     assert table.rstrip().endswith("abort 0")
 
 
-def test_unknown_model_is_one_line_with_a_hint(tmp_path: Path) -> None:
+def test_sampling_defaults_come_from_generation_config_and_options_override_them(
+    qwen3_dir: str, tmp_path: Path
+) -> None:
+    # top_k 1 samples greedily whatever the temperature: the model's settings decide alone.
+    model = model_copy(
+        qwen3_dir, tmp_path / "model",
+        generation_config={"do_sample": True, "temperature": 0.2, "top_p": 0.8, "top_k": 1},
+    )
+    llm, greedy = oracle(model, max_tokens=8)
+    by_the_model = run_piped(chat_args(model, "--max-tokens", "8", greedy=False), ["hello there"])
+    assert by_the_model.returncode == 0, by_the_model.stderr
+    assert by_the_model.stdout == f"{converse(llm, greedy, [system()], 'hello there')}\n"
+
+    # Options given override the model's settings; the ones left out still come from it (the
+    # fallback's temperature 0.6 or top_p 0.95 would each sample other tokens with this seed).
+    args = chat_args(model, "--max-tokens", "8", "--top-k", "0", "--seed", "7", greedy=False)
+    overridden = run_piped(args, ["hello there"])
+    assert overridden.returncode == 0, overridden.stderr
+    sampled = SamplingParams(temperature=0.2, top_p=0.8, top_k=0, seed=7, max_tokens=8)
+    assert overridden.stdout == f"{converse(llm, sampled, [system()], 'hello there')}\n"
+
+
+def test_help_says_where_sampling_defaults_come_from() -> None:
+    result = subprocess.run(
+        [sys.executable, str(CHAT_SCRIPT), "-h"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())  # click wraps lines
+    assert "generation_config.json" in help_text
+    for name, value in FALLBACK_SAMPLING.items():
+        assert f"{name} {value}" in help_text
+
+
+def test_kv_cache_holds_one_conversation_of_max_model_len(qwen3_dir: str) -> None:
+    options = chat.one_conversation(qwen3_dir, {"page_size": 4, "max_model_len": 101})
+    llm = LLM(qwen3_dir, **options)
+    assert llm.stats()["pages_total"] == 26  # 101 tokens in pages of 4
+    # A conversation of exactly max_model_len tokens fits, with no preemption.
+    prompt = list(range(10, 110))
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    output = llm.generate([prompt], params)[0]
+    assert len(prompt) + len(output.token_ids) == 101 and output.finish_reason == "length"
+    assert llm.stats()["preemptions"] == 0
+    # A cache size given in bytes or pages is left to the engine.
+    given = chat.one_conversation(qwen3_dir, {"page_size": 4, "kv_cache_memory": 10**6})
+    assert "num_pages" not in given
+
+
+def test_unknown_model_is_one_line_that_names_the_option(tmp_path: Path) -> None:
     # The default hub model, with the hub offline and an empty cache: it cannot be found.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     result = subprocess.run(
@@ -178,16 +272,64 @@ def test_unknown_model_is_one_line_with_a_hint(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    error_lines = result.stderr.strip().splitlines()
-    assert len(error_lines) == 1 and "Qwen/Qwen3-0.6B" in error_lines[0]
-    assert "--model /path/to/dir" in error_lines[0]
+    # The loader's own message, which already says what to pass instead, said once.
+    loader = subprocess.run(
+        [sys.executable, "-c", "from nanoqwen.loader import resolve_model_path\n"
+         "try:\n    resolve_model_path('Qwen/Qwen3-0.6B')\n"
+         "except ValueError as error:\n    print(error)"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert "Qwen/Qwen3-0.6B" in loader.stdout
+    assert result.stderr == f"Error: --model: {loader.stdout}"
 
 
-def spawn_chat(model_dir: str, max_tokens: int) -> pexpect.spawn:
+class Screen:
+    """What the terminal shows: everything chat.py writes, drawn by a terminal emulator."""
+
+    def __init__(self) -> None:
+        self.screen = pyte.Screen(SCREEN_COLUMNS, SCREEN_ROWS)
+        self.stream = pyte.Stream(self.screen)
+
+    def write(self, text: str) -> None:
+        self.stream.feed(text)
+
+    def flush(self) -> None:
+        pass
+
+    def edited_line(self) -> str:
+        """The line being edited as shown, from the prompt to the cursor: the screen rows
+        from the last one that starts with the prompt down to the cursor's, joined (a long
+        line wraps onto several). Whatever follows the cursor is kept, so a cursor out of
+        place shows."""
+        cursor, rows = self.screen.cursor, self.screen.display
+        start = next((y for y in range(cursor.y, -1, -1) if rows[y].startswith(PROMPT)), None)
+        if start is None:
+            return ""
+        after_cursor = rows[cursor.y][cursor.x :]
+        return "".join(rows[start : cursor.y]) + rows[cursor.y][: cursor.x] + after_cursor.rstrip()
+
+    def wait_for_edited_line(self, child: pexpect.spawn, expected: str) -> None:
+        """Read the child's output until the line being edited reads `expected`, with the
+        cursor at its end."""
+        deadline = time.monotonic() + child.timeout
+        while self.edited_line() != expected:
+            on_screen = self.edited_line()
+            assert time.monotonic() < deadline, f"{on_screen!r} on screen, not {expected!r}"
+            with suppress(pexpect.TIMEOUT):
+                child.read_nonblocking(4096, timeout=0.1)
+
+
+def spawn_chat(
+    model_dir: str, max_tokens: int, term: str = "dumb", screen: Screen | None = None
+) -> pexpect.spawn:
+    """chat.py in a pseudo-terminal, at its first prompt, its output drawn on `screen` if
+    one is given. TERM=dumb is plain text: no colours, no cursor movement, no spinner."""
     child = pexpect.spawn(
         sys.executable, chat_args(model_dir, "--max-tokens", str(max_tokens)), cwd=str(ROOT),
-        env=TERMINAL_ENV, encoding="utf-8", timeout=60,
+        env={**os.environ, "TERM": term}, encoding="utf-8", timeout=60,
+        dimensions=(SCREEN_ROWS, SCREEN_COLUMNS),
     )
+    child.logfile_read = screen  # pexpect copies everything it reads there
     child.expect(PROMPT)
     return child
 
@@ -248,6 +390,50 @@ def test_terminal_session_reuses_the_previous_turn_from_the_cache(qwen3_dir: str
     assert child.exitstatus == 0
 
 
+def test_terminal_commands_say_what_they_do(qwen3_dir: str) -> None:
+    child = spawn_chat(qwen3_dir, max_tokens=4)
+    child.sendline("/system")
+    child.expect_exact(f"System prompt: {SYSTEM}")
+    child.expect(PROMPT)
+    send_turn(child, "hello there friend")
+
+    child.sendline("/system Be terse.")
+    child.expect_exact("New conversation with the system prompt: Be terse.")
+    child.expect(PROMPT)
+    # A path is a message, and the conversation it goes to starts afresh under "Be terse.".
+    _, _, prompt_tokens = send_turn(child, "/usr/bin")
+    llm = LLM(qwen3_dir)
+    expected = llm.chat_prompt([system("Be terse."), {"role": "user", "content": "/usr/bin"}])
+    assert prompt_tokens == len(expected)
+
+    child.sendline("/system --clear")
+    child.expect_exact("New conversation without a system prompt.")
+    child.sendline("/system")
+    child.expect_exact("No system prompt.")
+    child.sendline("/help")
+    child.expect_exact("//text sends /text")
+    child.expect(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+
+def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
+    qwen3_dir: str, tmp_path: Path
+) -> None:
+    # A model with a long context: on a CPU, chat keeps CPU_CONTEXT tokens of it.
+    model = model_copy(qwen3_dir, tmp_path / "model", config={"max_position_embeddings": 40960})
+    child = spawn_chat(model, max_tokens=4)
+    banner = " ".join(child.before.split())
+    # K and V, per layer and KV head, float32, for the CPU_CONTEXT tokens and the scratch page.
+    layers, kv_heads, head_dim, page_size = 2, 2, 32, 4
+    kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (chat.CPU_CONTEXT + page_size)
+    assert f"{chat.CPU_CONTEXT:,} tokens of KV cache ({decimal(kv_bytes)})" in banner
+    assert "sampling: temperature 0.0" in banner  # --temperature 0 overrides the fallback
+    assert engine_stats(child)["pages_total"] == str(chat.CPU_CONTEXT // page_size)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+
 def test_ctrl_c_stops_the_reply_and_frees_its_pages(qwen3_dir: str) -> None:
     # A reply of up to 1000 tokens is still streaming when Ctrl-C arrives.
     child = spawn_chat(qwen3_dir, max_tokens=1000)
@@ -270,6 +456,46 @@ def test_ctrl_c_stops_the_reply_and_frees_its_pages(qwen3_dir: str) -> None:
 
 def test_ctrl_d_at_the_prompt_exits(qwen3_dir: str) -> None:
     child = spawn_chat(qwen3_dir, max_tokens=8)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+# --------------------------------------------------------------------------- on screen
+def test_line_editing_redraws_the_prompt_and_history_outlives_the_session(
+    qwen3_dir: str, data_home: Path
+) -> None:
+    # A colour terminal, and a line longer than the screen is wide: the prompt's colour
+    # codes must not throw readline's count of columns off.
+    long_line = "hello there friend, " * 8
+    assert len(long_line) > SCREEN_COLUMNS
+    screen = Screen()
+    child = spawn_chat(qwen3_dir, max_tokens=4, term="xterm", screen=screen)
+    for message in [long_line, "hi"]:
+        child.sendline(message)
+        child.expect("from cache")
+        screen.wait_for_edited_line(child, "you › ")
+    # Up, Up, Down: the long line, then the short one over it; the prompt stays.
+    child.send(UP + UP)
+    screen.wait_for_edited_line(child, f"you › {long_line}")
+    child.send(DOWN)
+    screen.wait_for_edited_line(child, "you › hi")
+    child.send(CTRL_U)  # erase the line, not the prompt
+    screen.wait_for_edited_line(child, "you › ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    history = data_home / "nanoqwen" / "chat_history"
+    assert history.read_text().splitlines() == [long_line, "hi", "/exit"]
+
+    # The next run recalls the last one's lines.
+    screen = Screen()
+    child = spawn_chat(qwen3_dir, max_tokens=4, term="xterm", screen=screen)
+    child.send(UP + UP)
+    screen.wait_for_edited_line(child, "you › hi")
+    child.send(CTRL_U)  # Ctrl-D leaves only from an empty line
     child.sendeof()
     child.expect(pexpect.EOF)
     child.close()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoqwen import LLM, SamplingParams, StepError
+from nanoqwen import LLM, LLMEngine, SamplingParams, StepError
 from oracle import (
     check_page_accounting,
     greedy,
@@ -289,3 +289,37 @@ def test_cuda_without_cuda_is_a_clear_error(qwen3_dir: str) -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         LLM(qwen3_dir, device="cuda")
+
+
+def test_stats_report_the_kv_cache_size(qwen3_dir: str) -> None:
+    llm = LLM(qwen3_dir, device="cpu", num_pages=40, page_size=8)
+    config = llm.engine.model_config
+    stats = llm.stats()
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K+V, float32
+    assert stats["kv_cache_bytes"] == 40 * 8 * per_token
+    assert stats["pages_total"] == 39  # one page is the scratch page
+
+
+def test_a_failing_step_still_hands_over_what_it_finished(
+    qwen2_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the scheduler finished for lack of memory in the same step as a failure
+    must not vanish: its final output travels with the StepError."""
+    engine = LLMEngine(qwen2_dir, device="cpu", num_pages=4, page_size=4)  # 12 token slots
+    starved = engine.add_request(list(range(3, 12)), greedy(100))
+    while engine.requests[starved].num_tokens <= 12:  # one more token than its pages hold
+        engine.step()
+    newcomer = engine.add_request([5, 6], greedy(3))  # admitted once `starved` gives up
+
+    def broken_forward(inputs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.runner, "forward", broken_forward)
+    with pytest.raises(StepError) as raised:
+        engine.step()
+    [final] = raised.value.finished
+    assert (final.request_id, final.finished, final.finish_reason) == (starved, True, "length")
+    assert raised.value.request_ids == [newcomer]
+    monkeypatch.undo()
+    engine.abort(newcomer)
+    check_page_accounting(engine)

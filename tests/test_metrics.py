@@ -1,12 +1,12 @@
-"""The Prometheus text format, checked line by line on small hand-made metrics."""
+"""The metrics page: engine stats and server measurements, read back with Prometheus's parser."""
 
-import threading
+from typing import Any
 
-import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from nanoqwen.metrics import Counter, Histogram, ServerMetrics, engine_families, render
+from nanoqwen.metrics import ServerMetrics
 
-ENGINE_STATS = {
+ENGINE_STATS: dict[str, Any] = {
     "finished": {"stop": 3, "length": 1, "abort": 2},
     "pages_used": 5, "pages_cached": 7, "pages_free": 20,
     "running": 2, "waiting": 4,
@@ -16,74 +16,73 @@ ENGINE_STATS = {
 }
 
 
-def sample_lines(text: str) -> dict[str, str]:
-    return dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-
-
-def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
-    histogram = Histogram("latency_seconds", "A latency.", [0.1, 1.0])
-    for value in (0.05, 0.1, 0.5, 1.0, 7.0):  # 0.1 and 1.0 sit exactly on a bound
-        histogram.observe(value)
-    samples = sample_lines(render([histogram.collect()]))
-    assert samples == {
-        'latency_seconds_bucket{le="0.1"}': "2",
-        'latency_seconds_bucket{le="1"}': "4",
-        'latency_seconds_bucket{le="+Inf"}': "5",
-        "latency_seconds_sum": repr(0.05 + 0.1 + 0.5 + 1.0 + 7.0),
-        "latency_seconds_count": "5",
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The page as {(sample name, sorted labels): value}, parsed as Prometheus parses it."""
+    page = metrics.render().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
     }
-
-
-def test_histogram_rejects_unsorted_buckets() -> None:
-    with pytest.raises(ValueError, match="increasing"):
-        Histogram("h", "h", [1.0, 0.5])
-
-
-def test_counter_keeps_one_value_per_label_set_across_threads() -> None:
-    counter = Counter("requests_total", "Requests.")
-
-    def count_many() -> None:
-        for _ in range(1000):
-            counter.inc(status="200")
-        counter.inc(status="404")
-
-    threads = [threading.Thread(target=count_many) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    text = render([counter.collect()])
-    assert text.splitlines()[:2] == [
-        "# HELP requests_total Requests.", "# TYPE requests_total counter"
-    ]
-    assert sample_lines(text) == {
-        'requests_total{status="200"}': "4000", 'requests_total{status="404"}': "4"
-    }
-
-
-def test_label_values_are_escaped() -> None:
-    counter = Counter("c_total", "c")
-    counter.inc(path='a"b\\c\nd')
-    assert 'c_total{path="a\\"b\\\\c\\nd"} 1' in render([counter.collect()])
 
 
 def test_engine_stats_become_families() -> None:
-    samples = sample_lines(render(engine_families(ENGINE_STATS)))
-    assert samples['nanoqwen_requests_finished_total{reason="abort"}'] == "2"
-    assert samples['nanoqwen_kv_pages{state="used"}'] == "5"
-    assert samples['nanoqwen_kv_pages{state="cached"}'] == "7"
-    assert samples['nanoqwen_kv_pages{state="free"}'] == "20"
-    assert samples["nanoqwen_requests_waiting"] == "4"
-    assert samples["nanoqwen_prefix_cache_hit_tokens_total"] == "48"
-    assert samples["nanoqwen_generation_tokens_total"] == "64"
+    page = samples(ServerMetrics(lambda: ENGINE_STATS))
+    assert page[("nanoqwen_requests_finished_total", (("reason", "abort"),))] == 2
+    assert page[("nanoqwen_requests_finished_total", (("reason", "stop"),))] == 3
+    for state in ("used", "cached", "free"):
+        assert page[("nanoqwen_kv_pages", (("state", state),))] == ENGINE_STATS[f"pages_{state}"]
+    assert page[("nanoqwen_requests_running", ())] == 2
+    assert page[("nanoqwen_requests_waiting", ())] == 4
+    assert page[("nanoqwen_prompt_tokens_total", ())] == 120
+    assert page[("nanoqwen_generation_tokens_total", ())] == 64
+    assert page[("nanoqwen_prefix_cache_query_tokens_total", ())] == 100
+    assert page[("nanoqwen_prefix_cache_hit_tokens_total", ())] == 48
+    assert page[("nanoqwen_preemptions_total", ())] == 1
 
 
-def test_server_page_announces_every_family_once() -> None:
-    metrics = ServerMetrics()
-    metrics.time_to_first_token.observe(0.02)
-    text = metrics.render(ENGINE_STATS)
-    names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+def test_engine_stats_are_read_at_every_scrape() -> None:
+    stats = dict(ENGINE_STATS)
+    metrics = ServerMetrics(lambda: stats)
+    assert samples(metrics)[("nanoqwen_requests_running", ())] == 2
+    stats["running"] = 7
+    assert samples(metrics)[("nanoqwen_requests_running", ())] == 7
+
+
+def test_server_measurements_are_counted() -> None:
+    metrics = ServerMetrics(lambda: ENGINE_STATS)
+    for status in (200, 200, 504):
+        metrics.count_request(status)
+    for seconds in (0.02, 0.2, 7.0):
+        metrics.time_to_first_token.observe(seconds)
+    page = samples(metrics)
+    assert page[("nanoqwen_http_requests_total", (("status", "200"),))] == 2
+    assert page[("nanoqwen_http_requests_total", (("status", "504"),))] == 1
+    ttft = "nanoqwen_time_to_first_token_seconds"
+    assert page[(f"{ttft}_count", ())] == 3
+    assert page[(f"{ttft}_bucket", (("le", "0.025"),))] == 1
+    assert page[(f"{ttft}_bucket", (("le", "5.0"),))] == 2
+    assert page[(f"{ttft}_bucket", (("le", "+Inf"),))] == 3
+
+
+def test_each_server_counts_for_itself() -> None:
+    first, second = ServerMetrics(lambda: ENGINE_STATS), ServerMetrics(lambda: ENGINE_STATS)
+    first.count_request(200)
+    assert samples(first)[("nanoqwen_http_requests_total", (("status", "200"),))] == 1
+    assert ("nanoqwen_http_requests_total", (("status", "200"),)) not in samples(second)
+
+
+def test_page_without_engine_stats_keeps_the_server_metrics() -> None:
+    metrics = ServerMetrics(lambda: None)  # the engine can't answer
+    metrics.count_request(503)
+    page = samples(metrics)
+    assert page[("nanoqwen_http_requests_total", (("status", "503"),))] == 1
+    assert not any(name.startswith("nanoqwen_kv_pages") for name, _ in page)
+
+
+def test_every_family_is_announced_once() -> None:
+    page = ServerMetrics(lambda: ENGINE_STATS).render().decode()
+    names = [line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")]
     assert len(names) == len(set(names))
     assert {"nanoqwen_time_to_first_token_seconds", "nanoqwen_inter_token_latency_seconds",
-            "nanoqwen_http_requests_total", "nanoqwen_kv_pages"} <= set(names)
-    assert sample_lines(text)["nanoqwen_time_to_first_token_seconds_count"] == "1"
+            "nanoqwen_request_duration_seconds", "nanoqwen_kv_pages"} <= set(names)

@@ -9,17 +9,15 @@ queue, a shutdown) slow every engine step down, so no outcome depends on machine
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import importlib.util
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,124 +25,14 @@ from typing import Any
 import openai
 import pytest
 from click.testing import CliRunner
+from server_helpers import (
+    ABORTS, ENGINE_OPTIONS, GREEDY, JSON, LONG_RUNNING, MESSAGES, MODEL, REPO_ROOT,
+    assert_error_shape, call, client_for, connect, good_request_succeeds, no_pages_held,
+    open_stream, raw_request, running_server, scrape, send_slowly, slow_down, wait_until,
+)
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.server import OpenAIServer, make_server
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# float32 everywhere, so greedy text does not hinge on rounding that varies with batch size.
-ENGINE_OPTIONS: dict[str, Any] = dict(dtype="float32", max_num_seqs=8, page_size=8, num_pages=256)
-MESSAGES = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "the quick brown fox"},
-]
-GREEDY = dict(temperature=0, max_tokens=12)
-LONG_RUNNING = dict(max_tokens=1000, ignore_eos=True)  # with a slowed engine: seconds
-
-
-# ---------------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def running_server(model: str, **options: Any) -> Iterator[OpenAIServer]:
-    """A server on a free port, serving from a thread; on exit, no thread of it survives."""
-    threads_before = threading.active_count()
-    server = make_server(model, "127.0.0.1", 0, **{**ENGINE_OPTIONS, **options})
-    serving = threading.Thread(target=server.serve_forever)
-    serving.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        serving.join(timeout=10)
-        assert threading.active_count() == threads_before, threading.enumerate()
-
-
-def slow_down(server: OpenAIServer, seconds_per_step: float = 0.01) -> None:
-    """Make each engine step take a while, so requests stay in flight long enough to act on."""
-    step = server.engine.step
-
-    def slow_step() -> list:
-        time.sleep(seconds_per_step)
-        return step()
-
-    server.engine.step = slow_step
-
-
-def client_for(server: OpenAIServer, api_key: str = "unused") -> openai.OpenAI:
-    host, port = server.server_address[:2]
-    # No retries: a test must see the first answer, 429s and 5xx included.
-    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=api_key, max_retries=0)
-
-
-def connect(server: OpenAIServer) -> http.client.HTTPConnection:
-    host, port = server.server_address[:2]
-    return http.client.HTTPConnection(host, port, timeout=30)
-
-
-def call(
-    server: OpenAIServer,
-    method: str,
-    path: str,
-    body: bytes | dict | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, http.client.HTTPMessage, Any]:
-    """One raw HTTP request: (status, headers, JSON body or text)."""
-    connection = connect(server)
-    payload = json.dumps(body).encode() if isinstance(body, dict) else body
-    connection.request(method, path, body=payload, headers=headers or {})
-    response = connection.getresponse()
-    raw = response.read()
-    connection.close()
-    is_json = response.headers.get("Content-Type", "").startswith("application/json")
-    return response.status, response.headers, json.loads(raw) if is_json else raw.decode()
-
-
-def open_stream(server: OpenAIServer, path: str, body: dict) -> http.client.HTTPResponse:
-    """Start a streaming request; the server sends the headers once the engine has it."""
-    connection = connect(server)
-    connection.request("POST", path, body=json.dumps({**body, "stream": True}))
-    response = connection.getresponse()
-    assert response.status == 200
-    return response
-
-
-def scrape(server: OpenAIServer) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    status, headers, text = call(server, "GET", "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
-def no_pages_held(server: OpenAIServer) -> bool:
-    samples = scrape(server)
-    running = samples["nanoqwen_requests_running"]
-    return samples['nanoqwen_kv_pages{state="used"}'] == 0 and running == 0
-
-
-def good_request_succeeds(server: OpenAIServer) -> bool:
-    return call(server, "POST", "/v1/completions", {"prompt": "hi", **GREEDY})[0] == 200
-
-
-ABORTS = 'nanoqwen_requests_finished_total{reason="abort"}'
-
-
-def assert_error_shape(body: Any) -> None:
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str)
+from nanoqwen.server import OpenAIServer
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -169,7 +57,7 @@ def client(api_server: OpenAIServer) -> Iterator[openai.OpenAI]:
 def test_chat_matches_offline_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
 
-    response = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
     choice = response.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == expected.text
@@ -179,7 +67,7 @@ def test_chat_matches_offline_streamed_or_not(client: openai.OpenAI, offline: LL
     assert response.usage.total_tokens == response.usage.prompt_tokens + len(expected.token_ids)
 
     chunks = list(client.chat.completions.create(
-        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
+        model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **GREEDY
     ))
     assert chunks[0].choices[0].delta.role == "assistant"
     content_chunks = [chunk for chunk in chunks if chunk.choices]
@@ -200,19 +88,19 @@ def test_completions_match_offline_streamed_or_not(client: openai.OpenAI, offlin
     prompt = "hello world, the lazy dog"
     expected = offline.generate(prompt, SamplingParams(**GREEDY))[0]
 
-    response = client.completions.create(model="m", prompt=prompt, **GREEDY)
+    response = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     assert response.object == "text_completion"
     assert response.choices[0].text == expected.text
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.token_ids)
 
     chunks = list(client.completions.create(
-        model="m", prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
+        model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
     ))
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
-    by_ids = client.completions.create(model="m", prompt=expected.prompt_token_ids, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, **GREEDY)
     assert by_ids.choices[0].text == expected.text
 
 
@@ -220,13 +108,13 @@ def test_completions_with_a_list_of_prompts(client: openai.OpenAI, offline: LLM)
     prompts = ["hello world", "café naïve", "the quick brown fox jumps"]
     expected = offline.generate(prompts, SamplingParams(**GREEDY))
 
-    response = client.completions.create(model="m", prompt=prompts, **GREEDY)
+    response = client.completions.create(model=MODEL, prompt=prompts, **GREEDY)
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     assert [choice.text for choice in response.choices] == [out.text for out in expected]
     assert response.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in expected)
 
     streamed = ["", "", ""]
-    for chunk in client.completions.create(model="m", prompt=prompts, stream=True, **GREEDY):
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, stream=True, **GREEDY):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert streamed == [out.text for out in expected]
@@ -234,7 +122,7 @@ def test_completions_with_a_list_of_prompts(client: openai.OpenAI, offline: LLM)
 
 def test_n_samples_count_the_prompt_once(client: openai.OpenAI, offline: LLM) -> None:
     expected = offline.chat(MESSAGES, SamplingParams(**GREEDY))[0]
-    response = client.chat.completions.create(model="m", messages=MESSAGES, n=3, **GREEDY)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, **GREEDY)
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     assert {choice.message.content for choice in response.choices} == {expected.text}
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -244,16 +132,16 @@ def test_n_samples_count_the_prompt_once(client: openai.OpenAI, offline: LLM) ->
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         return client.completions.create(
-            model="m", prompt="hello", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12
+            model=MODEL, prompt="hello", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12
         ).choices[0].text
 
     assert sample() == sample()
 
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
-    full = client.completions.create(model="m", prompt="the lazy dog", **GREEDY).choices[0].text
+    full = client.completions.create(model=MODEL, prompt="the lazy dog", **GREEDY).choices[0].text
     stop = full[4:6]
-    cut = client.completions.create(model="m", prompt="the lazy dog", stop=[stop], **GREEDY)
+    cut = client.completions.create(model=MODEL, prompt="the lazy dog", stop=[stop], **GREEDY)
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
@@ -268,7 +156,7 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
     assert "/v1/chat/completions" in page and "AbortController" in page
 
     before = scrape(api_server)
-    response = client.completions.create(model="m", prompt="hello world", **GREEDY)
+    response = client.completions.create(model=MODEL, prompt="hello world", **GREEDY)
     after = scrape(api_server)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     assert delta["nanoqwen_prompt_tokens_total"] == response.usage.prompt_tokens
@@ -294,7 +182,7 @@ def test_concurrent_streams_match_offline(qwen3_dir: str) -> None:
 
     with running_server(qwen3_dir) as server, client_for(server) as client:
         def stream(prompt: str) -> str:
-            chunks = client.completions.create(model="m", prompt=prompt, stream=True, **params)
+            chunks = client.completions.create(model=MODEL, prompt=prompt, stream=True, **params)
             return "".join(chunk.choices[0].text for chunk in chunks)
 
         with ThreadPoolExecutor(max_workers=32) as pool:
@@ -314,7 +202,7 @@ def test_disconnected_client_gets_its_request_aborted(qwen3_dir: str, stream: bo
             open_stream(server, "/v1/completions", body).close()
         else:
             connection = connect(server)
-            connection.request("POST", "/v1/completions", body=json.dumps(body))
+            connection.request("POST", "/v1/completions", body=json.dumps(body), headers=JSON)
             wait_until(lambda: scrape(server)["nanoqwen_requests_running"] == 1)
             connection.close()
         wait_until(lambda: scrape(server)[ABORTS] == 1)
@@ -332,7 +220,7 @@ def test_request_timeout_aborts_stale_requests(qwen3_dir: str) -> None:
 
         with pytest.raises(openai.APIError, match="did not finish"):
             for _ in client.completions.create(
-                model="m", prompt="hi", stream=True, extra_body=LONG_RUNNING
+                model=MODEL, prompt="hi", stream=True, extra_body=LONG_RUNNING
             ):
                 pass
         wait_until(lambda: scrape(server)[ABORTS] == 2)
@@ -349,7 +237,7 @@ def test_full_queue_answers_429(qwen3_dir: str) -> None:
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert_error_shape(error)
         with client_for(server) as client, pytest.raises(openai.RateLimitError):
-            client.completions.create(model="m", prompt="hi", max_tokens=2)
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
         for response in streams:
             response.close()
@@ -375,7 +263,9 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int]] = [
     # (case, method, path, body, expected status)
     ("malformed json", "POST", "/v1/chat/completions", b"{not json", 400),
     ("body not an object", "POST", "/v1/completions", b"[1, 2]", 400),
-    ("missing messages", "POST", "/v1/chat/completions", {"model": "m"}, 400),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": MODEL}, 400),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404),
+    ("model not a string", "POST", "/v1/completions", {"model": 4, "prompt": "hi"}, 400),
     ("missing prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400),
     ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, 400),
     ("role missing", "POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
@@ -420,6 +310,7 @@ def test_bad_request_says_what_is_wrong(api_server: OpenAIServer) -> None:
 def test_announced_oversized_body_is_refused_unread(api_server: OpenAIServer) -> None:
     connection = connect(api_server)
     connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
     connection.putheader("Content-Length", str(10**9))
     connection.endheaders()  # and never send the gigabyte
     response = connection.getresponse()
@@ -431,6 +322,7 @@ def test_announced_oversized_body_is_refused_unread(api_server: OpenAIServer) ->
 def test_missing_content_length_is_refused(api_server: OpenAIServer) -> None:
     connection = connect(api_server)
     connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
     connection.endheaders()
     response = connection.getresponse()
     assert response.status == 411
@@ -449,7 +341,7 @@ def test_api_key_guards_the_api(qwen3_dir: str) -> None:
             with pytest.raises(openai.AuthenticationError):
                 client.models.list()
         with client_for(server, api_key="s3cret") as client:
-            assert client.completions.create(model="m", prompt="hi", **GREEDY).choices[0].text
+            assert client.completions.create(model=MODEL, prompt="hi", **GREEDY).choices[0].text
         assert call(server, "GET", "/health")[0] == 200  # probes need no key
 
 
@@ -468,16 +360,20 @@ def test_cli_help_documents_every_option() -> None:
         "--model", "--host", "--port", "--api-key", "--max-queue", "--request-timeout",
         "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
         "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
+        "--max-connections", "--allowed-origins", "--served-model-name",
     ):
         assert option in result.output
     assert "127.0.0.1" in result.output
 
 
-def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
+def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
+    # SIGINT (Ctrl-C) takes the same path; one process start is enough.
     process = subprocess.Popen(
         [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
     )
+    stop_trickling = threading.Event()
+    sender = None
     try:
         port = None
         log: list[str] = []
@@ -489,15 +385,28 @@ def test_cli_serves_and_stops_cleanly_on_sigint(qwen3_dir: str) -> None:
             port = match and int(match.group(1))
         base_url = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
-            reply = client.chat.completions.create(model="m", messages=MESSAGES, **GREEDY)
+            [model] = client.models.list().data
+            assert model.id == Path(qwen3_dir).name  # a checkpoint is served by its name
+            reply = client.chat.completions.create(model=model.id, messages=MESSAGES, **GREEDY)
         assert reply.usage.completion_tokens > 0
 
-        process.send_signal(signal.SIGINT)
-        rest = process.communicate(timeout=60)[1]
+        # A client sending its request a byte every 0.2 s (a minute's worth) must not keep
+        # the server up; the bound below leaves room for a busy machine.
+        trickling = socket.create_connection(("127.0.0.1", port))
+        request = raw_request("/v1/completions", {"prompt": "x" * 200})
+        sender = threading.Thread(target=send_slowly,
+                                  args=(trickling, request, 0.2, stop_trickling))
+        sender.start()
+        process.send_signal(signal.SIGTERM)
+        rest = process.communicate(timeout=30)[1]
         assert process.returncode == 0, rest
         assert re.search(r"POST /v1/chat/completions 200 chatcmpl-\S+ prompt_tokens=\d+", rest)
         assert "stopped" in rest
     finally:
+        stop_trickling.set()
+        if sender is not None:
+            sender.join()
         if process.poll() is None:
             process.kill()
             process.wait()
+

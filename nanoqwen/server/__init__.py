@@ -1,0 +1,27 @@
+"""An OpenAI-compatible HTTP server: many client threads, one engine thread.
+
+Read it in this order:
+
+* `engine_loop` — the idea: `EngineLoop` lets one thread per connection share one
+  `LLMEngine`, through a command queue in and a queue of outputs per request back out.
+* `protocol` and `responses` — the OpenAI API: what a request may say (checked, with
+  errors that name the field) and what the answers look like, whole or streamed.
+* `routes` — the endpoints, and the flow of one completion from body to last chunk.
+* `plumbing` and `app` — the `http.server` parts: deadlines, disconnects, who may call,
+  Server-Sent Events, the connection cap and a shutdown that never waits on a client.
+
+`make_server(model, host, port, **options)` loads a model and returns a bound
+`OpenAIServer`; `serve.py` is its command line.
+"""
+
+from nanoqwen.server.app import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUE,
+    OpenAIServer,
+    ServerSettings,
+    make_server,
+)
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_QUEUE", "OpenAIServer", "ServerSettings", "make_server",
+]

@@ -1,0 +1,190 @@
+"""The server object: a listening socket, a thread per connection, and the engine thread.
+
+`OpenAIServer` is the standard library's `ThreadingHTTPServer` with three limits added:
+
+* **Connections.** At most `max_connections` are served at once, each holding a thread
+  and a file descriptor; one more is answered `503` from the accepting thread, without a
+  thread of its own, and closed.
+* **Shutdown.** `server_close()` stops the engine loop (every request in flight gets its
+  final answer), gives the handlers `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts
+  the sockets of those still at it (a client that reads nothing, or sends a byte a second)
+  so that their threads end too: stopping takes seconds whatever the clients do.
+* **Reads.** Each connection must deliver its request within `read_timeout` (see
+  `plumbing`), so an idle connection holds its slot only that long.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from nanoqwen.engine import LLMEngine
+from nanoqwen.metrics import ServerMetrics
+from nanoqwen.server.engine_loop import EngineLoop, NotServing
+from nanoqwen.server.protocol import APIError
+from nanoqwen.server.routes import OpenAIHandler
+
+logger = logging.getLogger("nanoqwen.server")
+
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_CONNECTIONS = 1024
+MAX_BODY_BYTES = 4 << 20  # a full context of token ids, as JSON, fits easily
+READ_TIMEOUT_SECONDS = 10.0
+SHUTDOWN_GRACE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # what /v1/models lists, responses echo, and requests must name
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_queue: int = DEFAULT_MAX_QUEUE  # sequences that may wait beyond max_num_seqs
+    request_timeout: float | None = None  # seconds before an unfinished request is aborted
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    read_timeout: float = READ_TIMEOUT_SECONDS  # to receive a request's headers and body
+    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own; "*": any
+
+    def __post_init__(self) -> None:
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("request_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for origin in self.allowed_origins:
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc
+                                  or parts.path or parts.query):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin such as "
+                                 "http://localhost:3000 (scheme, host, port; no path)")
+
+
+class OpenAIServer(ThreadingHTTPServer):
+    """`serve_forever()` answers requests until `shutdown()`; `server_close()` then aborts
+    what is in flight, stops the engine thread, closes the socket and ends every handler
+    thread (see the module docstring)."""
+
+    daemon_threads = False  # ThreadingMixIn tracks (and server_close joins) only these
+    # The listen backlog. http.server's default of 5 makes a burst of clients wait for
+    # (or, on a busy machine, fail) TCP retransmits before they are even accepted.
+    request_queue_size = 1024
+
+    def __init__(
+        self, address: tuple[str, int], engine: LLMEngine, settings: ServerSettings
+    ) -> None:
+        super().__init__(address, OpenAIHandler)
+        self.engine = engine
+        self.settings = settings
+        self.created = int(time.time())
+        self.is_loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
+        self.engine_loop = EngineLoop(engine, engine.config.max_num_seqs + settings.max_queue)
+        self.metrics = ServerMetrics(self._engine_stats)
+        self._connections: set[socket.socket] = set()
+        self._connections_changed = threading.Condition()
+        self.engine_loop.start()
+
+    def _engine_stats(self) -> dict[str, Any] | None:
+        try:
+            return self.engine_loop.call(lambda engine: engine.stats())
+        except NotServing:
+            return None
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        with self._connections_changed:
+            full = len(self._connections) >= self.settings.max_connections
+            if not full:
+                self._connections.add(request)
+        if full:
+            logger.warning("%s refused: %d connections open", client_address[0],
+                           self.settings.max_connections)
+            self.metrics.count_request(503)
+            refuse(request)
+            self.shutdown_request(request)
+        else:
+            super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:
+        super().shutdown_request(request)
+        with self._connections_changed:
+            self._connections.discard(request)
+            self._connections_changed.notify_all()
+
+    def server_close(self) -> None:
+        self.engine_loop.stop()
+        with self._connections_changed:
+            self._connections_changed.wait_for(
+                lambda: not self._connections, timeout=SHUTDOWN_GRACE_SECONDS
+            )
+            stragglers = list(self._connections)
+        for connection in stragglers:  # their blocked reads and writes fail at once
+            with suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        super().server_close()  # closes the listening socket, joins every handler thread
+
+
+def refuse(connection: socket.socket) -> None:
+    """Answer 503 without blocking the accepting thread: the answer fits the send buffer."""
+    error = APIError(503, "too many connections are open; retry later", "server_error",
+                     code="too_many_connections")
+    body = json.dumps(error.body()).encode()
+    head = (
+        "HTTP/1.0 503 Service Unavailable\r\nServer: nanoqwen\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nRetry-After: 1\r\n\r\n"
+    )
+    connection.setblocking(False)
+    with suppress(OSError):
+        connection.sendall(head.encode() + body)
+        connection.shutdown(socket.SHUT_WR)
+        while connection.recv(1 << 16):  # what the client sent, read so closing won't reset
+            pass
+
+
+def served_model_id(model: str) -> str:
+    """A local checkpoint's directory name; a hub id as it is."""
+    path = Path(model)
+    return path.resolve().name if path.is_dir() else model
+
+
+def make_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    request_timeout: float | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    read_timeout: float = READ_TIMEOUT_SECONDS,
+    allowed_origins: tuple[str, ...] | list[str] = (),
+    **engine_options: Any,
+) -> OpenAIServer:
+    """Load `model` into an engine and bind a server to (host, port); port 0 picks a free one.
+
+    `engine_options` go to `LLMEngine` (device, dtype, max_num_seqs, ...). The server is
+    bound but not yet serving: run `serve_forever()`, e.g. in a thread.
+    """
+    settings = ServerSettings(
+        model_name=served_model_name or served_model_id(model), api_key=api_key,
+        max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+        max_connections=max_connections, read_timeout=read_timeout,
+        allowed_origins=tuple(allowed_origins),
+    )
+    engine = LLMEngine(model, **engine_options)
+    return OpenAIServer((host, port), engine, settings)

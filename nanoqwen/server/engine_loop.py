@@ -1,0 +1,278 @@
+"""The engine thread: how many blocking client threads share one engine.
+
+`LLMEngine` batches many requests into every step, but it is a plain object that only one
+thread may touch. An HTTP server is most simply written one thread per connection, each
+blocking on its own client. `EngineLoop` joins the two:
+
+    handler threads (one per connection)         engine thread (exactly one)
+    parse, validate, tokenize the prompt
+    submit  ────────── command queue ─────────►  add_request / abort / stats
+                                                 step() ──► RequestOutputs
+    block on its own output queue ◄──────────── route each output by request id
+
+* **Commands.** Other threads never call the engine. They put a *command* (a function of
+  the engine, plus a `Future` for its result) on one queue. Between steps the engine
+  thread runs every queued command; with no work at all it blocks on that queue, so an
+  idle server burns no CPU. Commands must be quick: everything slow that can happen
+  elsewhere (tokenizing a long prompt, rendering the chat template) happens on the
+  handler thread before it submits, so one big prompt never stalls every other stream.
+* **Per-request queues.** Every submission (one HTTP request: several prompts, or `n`
+  samples of one) owns one queue of `RequestOutput`s. Its handler reads them as they come.
+* **Backpressure.** At most `capacity` engine requests are admitted at once (running plus
+  waiting); beyond that `submit` raises `QueueFull` rather than queue without bound.
+* **Failures.** A step that fails after scheduling raises `StepError` naming its requests,
+  which are still in the engine: the loop aborts them (freeing their pages), hands each of
+  their handlers a `RequestFailed`, logs the traceback once, and keeps serving everyone
+  else. Any other failure (inside scheduling itself) leaves the engine in an unknown
+  state: the loop stops for good, every handler gets `NotServing`, and `state` says
+  "failed" so health checks can tell.
+
+Invariant: every admitted engine request is either in the engine with a route to its
+queue, or finished, with its final output (or its failure) delivered and its admission
+slot released. So stopping is: stop taking commands, abort what the engine holds (which
+delivers a final output to every waiting handler), and end the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from nanoqwen.engine import LLMEngine, RequestOutput, StepError
+from nanoqwen.sampler import SamplingParams
+
+logger = logging.getLogger("nanoqwen.server")
+
+T = TypeVar("T")
+State = Literal["serving", "stopped", "failed"]
+
+
+class NotServing(Exception):
+    """The loop has stopped (the server is shutting down, or the engine failed for good)."""
+
+
+class QueueFull(Exception):
+    """Admitting these requests would exceed the loop's capacity; retry later."""
+
+
+class RequestFailed(Exception):
+    """The engine failed while computing this request; it was aborted, the server goes on."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the engine failed while computing request {request_id}")
+        self.request_id = request_id
+
+
+Output = RequestOutput | NotServing | RequestFailed
+
+
+@dataclass(eq=False)
+class Submission:
+    """The engine requests behind one HTTP request, and the queue their outputs arrive on."""
+
+    request_ids: list[str]  # in choice order
+    outputs: queue.SimpleQueue[Output]
+    unfinished: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unfinished = set(self.request_ids)
+
+    def next_output(self, timeout: float) -> RequestOutput | None:
+        """The next output of any choice, or None if none came within `timeout` seconds.
+
+        Raises `RequestFailed` or `NotServing` when the engine could not finish a choice.
+        """
+        try:
+            item = self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, RequestFailed):
+            self.unfinished.discard(item.request_id)  # already aborted by the loop
+            raise item
+        if isinstance(item, NotServing):
+            self.unfinished.clear()
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+        # A handler stops reading once it asks for an abort, so an abort it sees came from
+        # the server stopping.
+        if item.finish_reason == "abort":
+            raise NotServing("the server is shutting down")
+        return item
+
+
+Command = tuple[Callable[[LLMEngine], Any], Future]
+
+
+class EngineLoop:
+    """The one thread that drives the engine; other threads talk to it through commands."""
+
+    def __init__(self, engine: LLMEngine, capacity: int) -> None:
+        self.engine = engine
+        self.capacity = capacity  # engine requests admitted at once, running plus waiting
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: stop
+        self._routes: dict[str, queue.SimpleQueue[Output]] = {}  # the engine thread's only
+        self._lock = threading.Lock()  # guards _state and _num_admitted
+        self._state: State = "serving"
+        self._num_admitted = 0
+        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine", daemon=True)
+
+    # ------------------------------------------------------------ called by other threads
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything in flight (each handler gets its final output) and end the thread."""
+        with self._lock:
+            if self._state == "serving":
+                self._state = "stopped"
+                self._commands.put(None)
+        self._thread.join()
+
+    @property
+    def state(self) -> State:
+        with self._lock:
+            return self._state
+
+    def call(self, function: Callable[[LLMEngine], T]) -> T:
+        """Run `function(engine)` on the engine thread; return its result or raise its error."""
+        return self._enqueue(function).result()
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Have these requests aborted before the next step; does not wait."""
+        ids = list(request_ids)
+        self._enqueue(lambda engine: self._abort_now(ids))
+
+    def submit(
+        self, sequences: list[tuple[list[int], SamplingParams]], id_prefix: str
+    ) -> Submission:
+        """Add one engine request per (prompt ids, params), all or none.
+
+        Raises `QueueFull` past capacity, and whatever `add_request` raised (a `ValueError`
+        for input the engine refuses) with nothing left behind in the engine.
+        """
+        count = len(sequences)
+        with self._lock:
+            if self._num_admitted + count > self.capacity:
+                raise QueueFull(f"{count} more sequences would exceed {self.capacity}")
+            self._num_admitted += count
+        outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        try:
+            ids = self.call(lambda engine: self._add(sequences, id_prefix, outputs))
+        except BaseException:
+            self._release(count)
+            raise
+        return Submission(ids, outputs)
+
+    def _enqueue(self, function: Callable[[LLMEngine], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._state == "serving":
+                self._commands.put((function, future))
+            else:
+                future.set_exception(NotServing(f"the engine loop has {self._state}"))
+        return future
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_admitted -= count
+
+    # ------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        if self.engine.device.type == "cuda":  # the current CUDA device is set per thread
+            torch.cuda.set_device(self.engine.device)
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            self._abort_now(list(self._routes))
+        except Exception:  # an engine in an unknown state is not trusted again
+            logger.exception("the engine failed; no more requests will be served")
+            self._fail_everything()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepError as error:
+            # The batch failed but the engine is sound: drop that batch's requests only.
+            logger.error("%s; they are aborted", error, exc_info=error.__cause__ or error)
+            for request_id in error.request_ids:
+                self.engine.abort(request_id)  # frees its pages; its final output is moot
+                self._close_route(request_id, RequestFailed(request_id))
+            outputs = error.finished  # requests the step finished before it failed
+        self._deliver(outputs)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command, first waiting for one if `block`; False once told to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            function, future = command
+            try:
+                future.set_result(function(self.engine))
+            except Exception as error:
+                future.set_exception(error)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _add(
+        self,
+        sequences: list[tuple[list[int], SamplingParams]],
+        id_prefix: str,
+        outputs: queue.SimpleQueue[Output],
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for index, (prompt_ids, params) in enumerate(sequences):
+                request_id = f"{id_prefix}-{index}"
+                ids.append(self.engine.add_request(prompt_ids, params, request_id=request_id))
+        except BaseException:
+            for request_id in ids:  # all or none: a failing third prompt fails the request
+                self.engine.abort(request_id)
+            raise
+        for request_id in ids:
+            self._routes[request_id] = outputs
+        return ids
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        finals = [self.engine.abort(request_id) for request_id in request_ids]
+        self._deliver([output for output in finals if output is not None])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished:
+                self._close_route(output.request_id, output)
+            elif output.request_id in self._routes:
+                self._routes[output.request_id].put(output)
+
+    def _close_route(self, request_id: str, last: Output) -> None:
+        """Hand a request's last item to its handler and release its admission slot."""
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            route.put(last)
+            self._release(1)
+
+    def _fail_everything(self) -> None:
+        with self._lock:
+            self._state = "failed"
+        for request_id in list(self._routes):
+            self._close_route(request_id, NotServing("the engine failed"))
+        while True:  # commands queued meanwhile: tell their callers too
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                command[1].set_exception(NotServing("the engine failed"))

@@ -1,0 +1,284 @@
+"""The OpenAI protocol, requests side: what a client may ask for, checked, and its errors.
+
+Everything a request carries is checked here, before the engine sees any of it, and every
+refusal is an `APIError`: an HTTP status plus OpenAI's error object (`{"error": {"message",
+"type", "param", "code"}}`), with `param` naming the field at fault. The engine only ever
+receives token ids and a valid `SamplingParams`; prompts are tokenized (and chat messages
+rendered through the template) on the calling handler thread, never on the engine thread.
+
+Which errors are whose: 4xx means the request was wrong (400 bad field, 404 unknown model
+or route, 413 body too large, 415 not JSON, 429 queue full); 5xx means the server was
+(500 a bug or an engine failure, answered with a generic message and a request id while
+the details go to the log; 503 not serving; 504 the request outlived its timeout).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jinja2
+
+from nanoqwen.engine import LLMEngine, Prompt
+from nanoqwen.sampler import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
+
+# Request fields passed to SamplingParams, which checks types and ranges and names the culprit.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "repetition_penalty", "presence_penalty", "frequency_penalty",
+)
+# Upper limits SamplingParams leaves open. Temperature takes OpenAI's range; a repetition
+# penalty beyond these bounds (SGLang's) divides float32 logits towards overflow.
+SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "repetition_penalty": (0.01, 2.0)}
+# Accepted by OpenAI but not implemented here: refuse them rather than silently ignore them.
+UNSUPPORTED_FIELDS = ("logprobs", "top_logprobs", "logit_bias", "tools", "echo", "suffix")
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI shapes it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code = param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def internal_error(request_id: str) -> APIError:
+    """A 500 that tells the client nothing internal, only how to find it in the log."""
+    return APIError(
+        500, f"internal server error; the server log has the details under {request_id}",
+        "server_error", code="internal_error",
+    )
+
+
+def not_serving(reason: str = "the server is shutting down") -> APIError:
+    return APIError(503, reason, "server_error", code="not_serving")
+
+
+# ---------------------------------------------------------------------------- the body
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no tokenizer can encode.
+        json.dumps(body, ensure_ascii=False).encode()
+    except RecursionError as error:
+        raise bad_request("the request body is nested too deeply") from error
+    except UnicodeEncodeError as error:
+        raise bad_request("the request body holds a lone surrogate: not valid Unicode") from error
+    except ValueError as error:  # also catches bytes that are not UTF-8
+        raise bad_request(f"the request body is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def check_model(body: dict[str, Any], model_id: str) -> None:
+    """The request must name the served model; leaving `model` out means that model."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {model!r}", "model")
+    if model != model_id:
+        raise APIError(
+            404, f"the model '{model}' does not exist; this server serves '{model_id}'",
+            param="model", code="model_not_found",
+        )
+
+
+# ---------------------------------------------------------------------------- sampling
+@dataclass
+class GenerationOptions:
+    """What a completion request asks for besides its prompt.
+
+    Per-request engine settings beyond sampling (a scheduling priority, say) belong here.
+    """
+
+    params: list[SamplingParams]  # one per sample of a prompt (`n` of them)
+    stream: bool
+    include_usage: bool
+
+
+def parse_generation_options(
+    body: dict[str, Any], default_max_tokens: int, engine: LLMEngine
+) -> GenerationOptions:
+    """Sampling settings from the request; what it leaves out, from the model's defaults."""
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name):
+            raise bad_request(f"{name} is not supported by this server", name)
+    stream = _field(body, "stream", bool, "a boolean", False)
+    stream_options = _field(body, "stream_options", dict, "an object", {})
+    include_usage = _field(
+        stream_options, "include_usage", bool, "a boolean", False, "stream_options.include_usage"
+    )
+    n = _field(body, "n", int, "an integer", 1)
+    if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
+        raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
+    # max_completion_tokens is the newer name of max_tokens.
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    fields = {
+        **engine.tokenizer.sampling_defaults,
+        **within_limits(given, engine.model_config.vocab_size),
+    }
+    try:
+        params = SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens, **fields
+        )
+        # With a seed, the n samples still differ: each gets its own seed.
+        samples = [params if params.seed is None else replace(params, seed=params.seed + i)
+                   for i in range(n)]
+    except ValueError as error:
+        raise bad_request(str(error), _named_parameter(str(error))) from error
+    return GenerationOptions(samples, stream, include_usage)
+
+
+def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The request's sampling fields, bounded where SamplingParams leaves them open, so
+    every value fits the sampler's tensors: `top_k` clamped, absurd values a 400."""
+    top_k = fields.get("top_k")
+    if _is_int(top_k) and top_k > vocab_size:
+        # As many as there are: the same as no top-k at all.
+        fields = {**fields, "top_k": vocab_size}
+    for name, (lowest, highest) in SAMPLING_LIMITS.items():
+        value = fields.get(name)
+        if _is_number(value) and not lowest <= value <= highest:
+            raise bad_request(f"{name} must be in [{lowest:g}, {highest:g}], got {value!r}", name)
+    stop_ids = fields.get("stop_token_ids")
+    if isinstance(stop_ids, list) and any(_is_int(i) and i >= vocab_size for i in stop_ids):
+        raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab_size}",
+                          "stop_token_ids")
+    return fields
+
+
+def _named_parameter(message: str) -> str | None:
+    """SamplingParams' messages begin with the parameter's name."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in (*SAMPLING_FIELDS, "max_tokens") else None
+
+
+# ---------------------------------------------------------------------------- prompts
+def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    return [_parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def parse_enable_thinking(body: dict[str, Any]) -> bool | None:
+    """Qwen3's switch, passed as vLLM does: `chat_template_kwargs: {"enable_thinking": false}`."""
+    template_kwargs = _field(body, "chat_template_kwargs", dict, "an object", {})
+    return _field(
+        template_kwargs, "enable_thinking", bool, "a boolean", None,
+        "chat_template_kwargs.enable_thinking",
+    )
+
+
+def parse_prompts(body: dict[str, Any]) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(item, str) for item in prompt):
+            return list(prompt)
+        if all(_is_int(item) for item in prompt):
+            return [prompt]
+        if all(isinstance(item, list) and all(map(_is_int, item)) for item in prompt):
+            return list(prompt)
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of them",
+        "prompt",
+    )
+
+
+def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list[list[int]]:
+    """Every prompt's token ids, checked to fit the engine: all of them, or a 400."""
+    try:
+        return [engine.encode_prompt(prompt) for prompt in prompts]
+    except ValueError as error:
+        raise bad_request(str(error), param) from error
+
+
+def render_chat(
+    engine: LLMEngine, messages: list[dict[str, str]], enable_thinking: bool | None
+) -> list[int]:
+    try:
+        return engine.tokenizer.apply_chat_template(messages, enable_thinking)
+    except jinja2.TemplateError as error:  # the template itself refused (roles out of order)
+        raise bad_request(f"cannot apply the chat template: {error}", "messages") from error
+
+
+def _parse_message(message: object, param: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"{param}.role must be a non-empty string", f"{param}.role")
+    return {"role": role, "content": _message_text(message.get("content"), f"{param}.content")}
+
+
+def _message_text(content: object, param: str) -> str:
+    if content is None:  # an assistant turn that only called tools
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise bad_request(f"{param} must be a string or a list of text parts", param)
+
+
+def _field(
+    container: dict[str, Any],
+    name: str,
+    kind: type,
+    description: str,
+    default: Any,
+    param: str | None = None,
+) -> Any:
+    """`container[name]`, checked to be a `kind`; `default` when absent or null."""
+    value = container.get(name)
+    if value is None:
+        return default
+    # bool is a subclass of int, but `"n": true` is a mistake, not 1.
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise bad_request(f"{param or name} must be {description}, got {value!r}", param or name)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

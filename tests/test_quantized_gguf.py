@@ -1,0 +1,123 @@
+"""GGUF files: config, tokenizer, chat template and weights from one file.
+
+The oracle is transformers' own GGUF loading of the same file (`gguf_file=`), which
+dequantizes with the same `gguf` package, so greedy tokens must match exactly. One gap in
+it: transformers reads no head_dim from a Qwen3 file and takes Qwen3Config's default, 128.
+The wide fixtures have that head_dim; files of other head sizes are checked against the
+checkpoint they were written from instead.
+"""
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from nanoqwen import LLM
+from nanoqwen.config import ModelConfig, WeightQuantization
+from nanoqwen.tokenizer import Tokenizer
+from gguf_files import F, all_of, k_quant_mix, write_gguf
+from oracle import greedy, hf_greedy, random_prompts
+from quantized_helpers import build_wide, quantized_llm
+from checkpoints import IM_END, build_qwen3, generate_corpus
+
+FILE_TYPES = {"F16": all_of(F.F16), "BF16": all_of(F.BF16), "Q8_0": all_of(F.Q8_0), "Q4_K_M": k_quant_mix}
+# What the run-time quantization follows by default: the bits most of the matrices have.
+DEFAULT_QUANTIZATION = {
+    "F16": None,
+    "BF16": None,
+    "Q8_0": WeightQuantization("int8"),
+    "Q4_K_M": WeightQuantization("int4", 32),
+}
+
+
+@pytest.fixture(scope="module")
+def wide_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {arch: build_wide(arch, tmp_path_factory.mktemp(arch)) for arch in ("qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize(
+    "architecture, file_type",
+    [("qwen2", "F16"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K_M"), ("qwen3", "BF16"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K_M")],
+)
+def test_greedy_matches_transformers_gguf_loading(
+    wide_dirs: dict[str, str], tmp_path: Path, architecture: str, file_type: str
+) -> None:
+    path = write_gguf(wide_dirs[architecture], tmp_path / "model.gguf", FILE_TYPES[file_type])
+    assert ModelConfig.from_pretrained(path).quantization == DEFAULT_QUANTIZATION[file_type]
+    llm = quantized_llm(path, "none")
+    prompts = random_prompts(800, [5, 40], seed=21)
+    for prompt, output in zip(prompts, llm.generate(prompts, greedy(8))):
+        assert output.token_ids == hf_greedy(path, prompt, 8)
+
+
+def test_float32_file_runs_like_the_checkpoint_it_was_written_from(model_dir: str, tmp_path: Path) -> None:
+    path = write_gguf(model_dir, tmp_path / "model.gguf", all_of(F.F32))
+    ours, source = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(model_dir)
+    shape = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+             "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+    assert {k: getattr(ours, k) for k in shape} == {k: getattr(source, k) for k in shape}
+    prompt = random_prompts(800, [30], seed=22)[0]
+    assert LLM(path, num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
+
+
+def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    model_dir = build_qwen3(tmp_path / "yarn", rope_parameters=rope, max_position_embeddings=64)
+    path = write_gguf(model_dir, tmp_path / "yarn.gguf", all_of(F.F32))
+    prompt = random_prompts(800, [90], seed=23)[0]
+    output = LLM(path, max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
+    assert output.token_ids == hf_greedy(model_dir, prompt, 8)
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(qwen3_dir: str, tmp_path: Path) -> None:
+    path = write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.F16))
+    ours, source = Tokenizer(path), Tokenizer(qwen3_dir)
+    text = "\n".join(generate_corpus(num_lines=20, seed=5))
+    assert ours.encode(text) == source.encode(text)
+    ids = source.encode(text)
+    assert ours.decode(ids) == source.decode(ids) == text
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "café 你好 😀"}]
+    for thinking in (None, False):
+        assert ours.apply_chat_template(conversation, thinking) == source.apply_chat_template(conversation, thinking)
+    assert source.encode(IM_END)[0] in ours.eos_token_ids
+
+
+def test_unsupported_architecture_names_the_file(qwen2_dir: str, tmp_path: Path) -> None:
+    path = write_gguf(qwen2_dir, tmp_path / "llama.gguf", all_of(F.F16), architecture="llama")
+    with pytest.raises(ValueError, match=r"llama\.gguf: GGUF architecture 'llama' is not supported; nanoqwen runs qwen2, qwen3"):
+        LLM(path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda data: data[: len(data) // 2], lambda data: b"GGML" + data[4:], lambda data: b""],
+    ids=["truncated", "bad-magic", "empty"],
+)
+def test_damaged_file_is_a_clear_error(qwen2_dir: str, tmp_path: Path, damage) -> None:
+    path = Path(write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.Q8_0)))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError, match=r"model\.gguf is not a readable GGUF file"):
+        LLM(str(path))
+
+
+def test_tensor_of_a_type_that_cannot_be_dequantized(wide_dirs: dict[str, str], tmp_path: Path) -> None:
+    def q8_k_up_projection(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
+        return F.Q8_K if name == "blk.1.ffn_up.weight" else all_of(F.F16)(name, shape)
+
+    path = write_gguf(wide_dirs["qwen2"], tmp_path / "model.gguf", q8_k_up_projection)
+    with pytest.raises(ValueError, match=r"model\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q8_K"):
+        LLM(path)
+
+
+def test_missing_tensor_is_named_as_transformers_names_it(qwen2_dir: str, tmp_path: Path) -> None:
+    path = write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.F16), drop=("blk.1.ffn_down.weight",))
+    with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.mlp\.down_proj\.weight'"):
+        LLM(path)
+
+
+def test_path_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"model path not found: models/missing\.gguf"):
+        LLM("models/missing.gguf")  # not a hub id, though it has one slash
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"weights\.bin is a file: pass a checkpoint directory or a \.gguf file"):
+        LLM(str(tmp_path / "weights.bin"))
