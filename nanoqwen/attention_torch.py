@@ -59,7 +59,7 @@ class SparseDecodeGroup:
     """
 
     query_rows: torch.Tensor  # [B] the row of q (and of the output) of each request
-    pattern: torch.Tensor  # sparse CSR [B * heads, num_slots * kv_heads]; its values unused
+    pattern: torch.Tensor  # sparse CSR [B * heads, num_slots * kv_heads]; values: the scores
     dense_index: torch.Tensor  # [nnz] each nonzero's place in a flat [B * heads, max_kv]
     # Each layer's scores, scattered to [B * heads, max_kv] for the softmax. Only real
     # entries are overwritten per layer, so the padding stays -inf for the whole step.
@@ -262,8 +262,12 @@ class TorchBackend(AttentionBackend):
             keys = self.float_key_workspace[: gathered.shape[0]].copy_(gathered)  # exact
         keys = keys.view(-1, self.head_dim)
         queries = q.index_select(0, group.query_rows).view(-1, self.head_dim)  # [B*heads, D]
+        # The scores land in the pattern's own values (zeroed, since beta scales them), so
+        # torch neither copies the pattern nor allocates a new one per layer.
+        group.pattern.values().zero_()
         scores = torch.sparse.sampled_addmm(
-            group.pattern, queries.to(keys.dtype), keys.t(), beta=0.0, alpha=self.head_dim**-0.5
+            group.pattern, queries.to(keys.dtype), keys.t(), beta=0.0,
+            alpha=self.head_dim**-0.5, out=group.pattern,
         ).values()
         # Softmax along each row: scatter the scores into a dense matrix padded with -inf,
         # where a row-wise softmax is one call, and read the weights back.
