@@ -381,7 +381,7 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"{settings['threads']} torch threads), "
+        f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, median of {settings['rounds']} round(s)"
     )
     console.print(
@@ -524,16 +524,17 @@ def measure_decode(
         raise click.ClickException(str(error)) from None
 
 
-def engine_settings(engine: LLMEngine) -> Metrics:
+def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads,  # in all; tensor-parallel ranks on a CPU share them
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "tensor_parallel_size": config.tensor_parallel_size,
     }
 
 
@@ -659,6 +660,7 @@ def main(
     check_workload(workload)
     if threads is not None:
         torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
     # Weight-loading and shard-writing bars of transformers and the hub would cut into ours.
     transformers_logging.disable_progress_bar()
     disable_progress_bars()
@@ -677,7 +679,7 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
-        **engine_settings(engine),
+        **engine_settings(engine, threads),
     }
     runs: list[EngineRun] = []
     baseline_rounds: list[Metrics] = []
@@ -702,6 +704,7 @@ def main(
                     )
             if decode_batch is not None and index == rounds - 1:
                 decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
+            engine.shutdown()  # stops the other tensor-parallel ranks, if any
             engine = recorder = None
             free_memory()  # on a GPU the engine holds most of it, transformers needs some
             if compare == "hf":

@@ -2,19 +2,38 @@
 
 flashinfer reads the CSR page table of `attention.py` natively: it was designed around it.
 It splits attention into `plan` (on the host: read the page table, split the work across
-thread blocks, write that schedule to the device) and `run` (the kernels). A step is
+thread blocks, copy that schedule to the device) and `run` (the kernels). A step is
 planned once, and every layer then calls `run`. That split is also what lets decode steps
 be replayed from CUDA graphs: see `cuda_graph.py` for why `plan` stays outside the graph.
+
+flashinfer ships its kernels as CUDA sources: `plan` compiles the one a model needs with
+nvcc the first time it is asked for (minutes), and later loads it from flashinfer's cache
+on disk. So whether flashinfer can serve a model is only known once its kernels are built.
+`check_flashinfer` builds them at start-up, by planning and running each kind of step once
+on a tiny pool, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
+that won't load) the runner falls back to the torch backend, saying why.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Any
+
 import torch
+from rich.console import Console
 
 from nanoqwen.attention import AttentionBackend, AttentionMetadata
+from nanoqwen.batch import StepInputsBuilder
+from nanoqwen.config import ModelConfig
 from nanoqwen.kv_pool import KVPool
 
-# flashinfer's prebuilt kernels cover these; other sizes need a JIT build that may fail.
+logger = logging.getLogger(__name__)
+# Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
+console = Console(stderr=True)
+
+# The head sizes asked of flashinfer (every Qwen2/Qwen3 model uses 64 or 128): the common
+# ones its kernels are built for. A build that fails costs minutes, so no other is tried.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 # flashinfer's examples use 128 MiB; serving engines give it more, as a large prefill
@@ -27,7 +46,7 @@ TENSOR_CORE_MIN_GROUP_SIZE = 4
 
 
 def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why flashinfer cannot run a model of this head size and dtype, or None if it can."""
+    """Why flashinfer cannot run a model of this head size and dtype, or None if it might."""
     if dtype not in FLASHINFER_DTYPES:
         return f"flashinfer runs float16 and bfloat16 only, not {dtype}"
     if head_dim not in FLASHINFER_HEAD_DIMS:
@@ -45,6 +64,77 @@ def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | No
     return None
 
 
+def check_flashinfer(
+    model_config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """None once the kernels this model needs are built (or loaded from flashinfer's cache)
+    and have run on `device`; otherwise why flashinfer cannot serve the model here."""
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device, not {device}"
+    reason = flashinfer_unsupported_reason(model_config.head_dim, dtype)
+    if reason is not None:
+        return reason
+    start = time.perf_counter()
+    try:
+        status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
+        with console.status(status):
+            warm_up_kernels(model_config, page_size, dtype, device)
+    # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
+    # flashinfer raises many kinds of errors, and each means it cannot serve this model.
+    except Exception as error:
+        logger.debug("flashinfer's kernels failed to build or run", exc_info=True)
+        cause = (str(error).strip().splitlines() or [""])[0]
+        return f"flashinfer could not build or run its kernels ({type(error).__name__}: {cause})"
+    logger.info("flashinfer kernels ready in %.1f s", time.perf_counter() - start)
+    return None
+
+
+def warm_up_kernels(
+    model_config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Plan and run a prefill and a decode of one request on a throwaway one-layer pool.
+
+    Planning is what makes flashinfer build or load a kernel, so this makes it get every
+    kernel a step of this model can use (the graph buckets' decode wrappers run the same
+    decode kernel); running them checks that they load and launch.
+    """
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    head_dim = model_config.head_dim
+    pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
+    pool = KVPool(1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device)
+    backend = FlashInferBackend(pool, heads, kv_heads, head_dim)
+    for num_tokens in (2, 1):  # a prefill, then a decode
+        builder = StepInputsBuilder(page_size)
+        builder.add_row([0] * num_tokens, 0, pages[: -(-num_tokens // page_size)], sample=False)
+        backend.plan(builder.build(device, []).metadata)
+        q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
+        k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        backend.forward(0, q, k, v)
+    torch.cuda.synchronize(device)
+
+
+class FencedWrapper:
+    """A flashinfer wrapper, and the CUDA event that keeps its `plan` from racing the GPU."""
+
+    def __init__(self, wrapper: Any, planned: torch.cuda.Event) -> None:
+        self.wrapper = wrapper
+        self.planned = planned
+
+    def plan(self, *args: Any, **kwargs: Any) -> None:
+        # `plan` writes its schedule into a pinned host buffer of the wrapper's and queues an
+        # async copy of it to the GPU. Planning again before that copy has run (when nothing
+        # waited for the GPU in between, as after a step that sampled nothing) would rewrite
+        # the buffer under it, and the earlier step would attend with the later schedule. So
+        # wait for the event recorded behind the last copy. It is recorded after `plan`, not
+        # after `run`: a replayed CUDA graph launches the kernels without calling `run`.
+        self.planned.synchronize()
+        self.wrapper.plan(*args, **kwargs)
+        self.planned.record()
+
+    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.wrapper.run(q, kv_cache)
+
+
 class FlashInferBackend(AttentionBackend):
     """flashinfer's kernels, fed the same page table as the torch backends.
 
@@ -59,9 +149,10 @@ class FlashInferBackend(AttentionBackend):
       are fixed (`bind_graph_buffers`), so a replayed graph finds each step's plan where
       the captured kernels look for it.
 
-    All wrappers share one workspace buffer, allocated here. New keys and values are stored
-    with the same indexed copy into `slot_mapping` as the torch backend uses, which a CUDA
-    graph replays like any other kernel.
+    Every wrapper is a `FencedWrapper` with its own event, since each has its own staging
+    buffer. All wrappers share one workspace buffer, allocated here. New keys and values
+    are stored with the same indexed copy into `slot_mapping` as the torch backend uses,
+    which a CUDA graph replays like any other kernel.
     """
 
     supports_cuda_graphs = True
@@ -69,8 +160,6 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
         device, dtype = pool.kv.device, pool.kv.dtype
-        if device.type != "cuda":
-            raise ValueError(f"flashinfer needs a CUDA device, the KV pool is on {device}")
         reason = flashinfer_unsupported_reason(head_dim, dtype)
         if reason is not None:
             raise ValueError(reason)
@@ -80,11 +169,19 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
         self.data_types = {"q_data_type": dtype, "kv_data_type": dtype}
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        self.prefill_wrapper = self._fenced(
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         )
-        self.graph_decode_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self.decode_wrapper = self._fenced(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+            )
+        )
+        self.graph_decode_wrappers: dict[int, FencedWrapper] = {}
+
+    @staticmethod
+    def _fenced(wrapper: Any) -> FencedWrapper:
+        return FencedWrapper(wrapper, torch.cuda.Event())
 
     def bind_graph_buffers(
         self,
@@ -95,14 +192,16 @@ class FlashInferBackend(AttentionBackend):
     ) -> None:
         import flashinfer
 
-        self.graph_decode_wrappers[batch_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=kv_indptr,
-            paged_kv_indices_buffer=kv_indices,
-            paged_kv_last_page_len_buffer=kv_last_page_len,
+        self.graph_decode_wrappers[batch_size] = self._fenced(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=kv_indptr,
+                paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=kv_last_page_len,
+            )
         )
 
     def plan(self, metadata: AttentionMetadata) -> None:

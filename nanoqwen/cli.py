@@ -52,11 +52,14 @@ ENGINE_OPTIONS = [
     click.option("--quantization", default=None, type=click.Choice(QUANTIZATION_MODES),
                  help="Keep linear weights as int8 or int4 in memory (none: in --dtype). "
                  "Default: as the checkpoint has them (GPTQ, AWQ, GGUF), else none."),
+    click.option("--tensor-parallel-size", "-tp", default=engine_default("tensor_parallel_size"),
+                 type=click.IntRange(min=1),
+                 help="Split the model across this many GPUs (or CPU processes)."),
 ]
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
-    "quantization",
+    "quantization", "tensor_parallel_size",
 )
 
 

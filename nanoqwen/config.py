@@ -3,7 +3,7 @@
 A few small dataclasses keep every number the rest of the code needs in one place:
 
 * `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs) and validates them before anything is loaded,
+  memory, chunk size, caching, graphs, ranks) and validates them before anything is loaded,
   so a typo in a dtype fails in one clear line instead of deep inside a kernel.
 * `ModelConfig` is the model's shape, read from the checkpoint's `config.json` (or a GGUF
   file's metadata) through transformers' `AutoConfig`. The decoder in `model.py` is built
@@ -94,11 +94,13 @@ class EngineConfig:
     # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
     # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
     quantization: str | None = None
+    # Ranks (GPUs, or CPU processes) the model is split across (`parallel.py`).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        for name in ("max_num_seqs", "page_size"):
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_pages", "chunk_size"):
             if getattr(self, name) is not None:

@@ -20,10 +20,11 @@ shapes, reading and writing the same addresses. Four ideas make decode fit that 
   (`attention_flashinfer.py`). Before every replay, `plan` runs with the new page table
   and writes its schedule into fixed buffers that the captured kernels read.
 
-Graphs are captured at start-up, largest bucket first, all sharing one memory pool: the
-temporaries of a forward pass live in that pool for as long as the graph does, and the
-smaller graphs fit in the space the largest one needed. Prefill and mixed steps, and
-decode steps above the largest bucket, run eagerly.
+Graphs are captured at start-up (`capture_all`, once the KV pool they read exists),
+largest bucket first, all sharing one memory pool: the temporaries of a forward pass live
+in that pool for as long as the graph does, and the smaller graphs fit in the space the
+largest one needed. Prefill and mixed steps, and decode steps above the largest bucket,
+run eagerly.
 
 On the CPU there are no graphs, but the runner works the same way: it pads to a bucket,
 copies through the static buffers and calls the model. By default the CPU runs every
@@ -119,13 +120,21 @@ class DecodeGraphRunner:
             max_kv_len=0,
         )
         # Every row of a bucket gets logits: a graph cannot know which rows are padding.
+        # (With tensor parallelism they are this rank's slice of the vocabulary.)
         self.all_rows = torch.arange(largest, device=self.device)
         self.logits = torch.zeros(
-            largest, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=self.device
+            largest, model.lm_head.out_features, dtype=model.lm_head.weight.dtype,
+            device=self.device,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if can_capture(self.device, type(backend), model.config):
-            self.capture_all()
+        if backend.supports_cuda_graphs:
+            for bucket in self.buckets:
+                backend.bind_graph_buffers(
+                    bucket,
+                    self.static.kv_indptr[: bucket + 1],
+                    self.static.kv_indices,
+                    self.static.kv_last_page_len[:bucket],
+                )
 
     # ----------------------------------------------------------------- per step
     def bucket_for(self, batch: ScheduledBatch) -> int | None:
@@ -167,6 +176,12 @@ class DecodeGraphRunner:
 
     # ----------------------------------------------------------------- start-up
     def capture_all(self) -> None:
+        """Record every bucket's graph, where graphs can be captured (a no-op elsewhere).
+
+        Capture records on the current CUDA device, so the caller makes the pool's current.
+        """
+        if not can_capture(self.device, type(self.backend), self.model.config):
+            return
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = None
         # Largest first: the smaller graphs then fit in the pool the largest one made.
@@ -183,12 +198,6 @@ class DecodeGraphRunner:
         """Record the forward pass of `bucket` padding rows; return the graph's memory pool."""
         no_requests = ScheduledBatch([], [])
         metadata = self.load(build_step_inputs(no_requests, self.page_size, self.device, bucket))
-        self.backend.bind_graph_buffers(
-            bucket,
-            self.static.kv_indptr[: bucket + 1],
-            self.static.kv_indices,
-            self.static.kv_last_page_len[:bucket],
-        )
         self.backend.plan(metadata)
         # Lazy set-up (loading kernels, creating library handles) cannot happen during a
         # capture, so run once eagerly first.

@@ -13,6 +13,10 @@ done, returning outputs in prompt order; `chat` renders conversations through th
 template first; `stream` yields one request's deltas as they are produced.
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
+
+With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
+rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
+or the program's exit) stops them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Any
 
 from nanoqwen.batch import ScheduledBatch
 from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
-from nanoqwen.loader import resolve_model_path
+from nanoqwen.distributed import Workers, launch, starting
+from nanoqwen.loader import check_splittable, resolve_model_path
+from nanoqwen.parallel import SINGLE, check_tensor_parallel
 from nanoqwen.radix_cache import RadixCache
 from nanoqwen.request import Request, Status
 from nanoqwen.runner import ModelRunner
@@ -72,12 +78,21 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        self.device = self.config.device
         checkpoint = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(checkpoint)
         self.tokenizer = Tokenizer(checkpoint)
         self.max_model_len = resolve_max_model_len(self.config, self.model_config)
-        self.runner = ModelRunner(self.config, self.model_config, checkpoint, self.max_model_len)
+        runner_args = (self.model_config, checkpoint, self.max_model_len)
+        tp, rank_config = SINGLE, self.config
+        self.workers: Workers | None = None
+        if self.config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+            check_splittable(checkpoint, self.model_config, self.config.quantization)
+            # Under torchrun, only rank 0 returns from here.
+            tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
+        with starting(self.workers):  # if rank 0 fails to start, the other ranks go too
+            self.runner = ModelRunner(rank_config, *runner_args, tp=tp, workers=self.workers)
+        self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.pool = self.runner.pool
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(
@@ -248,7 +263,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.kv.nbytes,
+            "kv_cache_bytes": pool.kv.nbytes * self.config.tensor_parallel_size,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,
@@ -263,6 +278,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.cache.reset() if self.cache else 0
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 class LLM:
@@ -333,6 +353,15 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -15,6 +15,12 @@ Quantized checkpoints arrive as float tensors like any other: a GGUF file's tens
 dequantized as they are read (`gguf_checkpoint.py`), a GPTQ/AWQ layer's packed integers
 unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
 weights as int8 or int4 again, with the kernels torchao has for them.
+
+With tensor parallelism each rank reads only its slice of each tensor
+(`iter_checkpoint_shard`): safetensors maps the file and copies just the rows or columns
+asked for, so no rank ever holds a full weight it does not keep. That needs plain
+safetensors tensors, kept in the model's dtype: GGUF blocks and GPTQ/AWQ packing do not
+slice that way, and quantizing each rank's slices is not supported yet.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from nanoqwen.config import ModelConfig, PackedWeights, WeightQuantization
 from nanoqwen.gguf_checkpoint import is_gguf_file, iter_gguf_tensors
 from nanoqwen.gptq_awq import unpack_checkpoint
 from nanoqwen.model import QwenForCausalLM, RotaryEmbedding
+from nanoqwen.parallel import SINGLE, TensorParallel
 from nanoqwen.quantization import quantize_linears
 
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
@@ -72,8 +79,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> QwenForCausalLM:
-    """Build the decoder on `device` in `dtype` and fill it from the checkpoint at `path`.
+    """Build the decoder (`tp`'s rank's part of it) on `device` in `dtype` and fill it from
+    the checkpoint at `path`.
 
     `quantization` ("none", "int8", "int4", or None to follow the checkpoint) says how the
     linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
@@ -81,13 +90,17 @@ def load_model(
     """
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
-        model = QwenForCausalLM(config)
+        model = QwenForCausalLM(config, tp)
     model.to_empty(device=device)
     model.tie_weights()  # allocation gave the tied pair two separate tensors
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {name: set() for name in params}
-    if is_gguf_file(path):
+    shard = tp.shard_config(config)  # the shapes this rank's parameters have
+    if tp.size > 1:
+        check_splittable(path, config, quantization)
+        tensors = iter_checkpoint_shard(path, config, tp)
+    elif is_gguf_file(path):
         tensors = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
     else:
         tensors = iter_checkpoint(path, config.packed_weights)
@@ -97,9 +110,9 @@ def load_model(
             continue
         if target not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint {path}")
-        copy_block(params[target], tensor, block, config, name)
+        copy_block(params[target], tensor, block, shard, name)
         filled[target].add(block)
-    check_all_filled(filled, config, path)
+    check_all_filled(filled, shard, path)
     scheme = runtime_quantization(quantization, config)
     if scheme is not None:
         quantize_linears(model, scheme)
@@ -140,19 +153,10 @@ def iter_checkpoint(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every safetensors shard, one tensor at a time; a GPTQ/AWQ
     layer's packed parts as one unpacked `weight`."""
-    index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"no .safetensors weights found in {model_dir}")
     with ExitStack() as stack:
         # A layer's packed parts may sit in different shards: keep them all open.
         shard_of = {}
-        for file in files:
-            path = os.path.join(model_dir, file)
+        for path in safetensors_files(model_dir):
             shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
             shard_of.update(dict.fromkeys(shard.keys(), shard))
 
@@ -163,6 +167,45 @@ def iter_checkpoint(
             yield from ((name, read(name)) for name in shard_of)
         else:
             yield from unpack_checkpoint(shard_of, read, packed)
+
+
+def iter_checkpoint_shard(
+    model_dir: str, config: ModelConfig, tp: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, this rank's part of the tensor), reading only that part of the file."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, tp.read_shard(shard.get_slice(name), name, config)
+
+
+def check_splittable(path: str, config: ModelConfig, quantization: str | None) -> None:
+    """A ValueError unless the weights can be split across ranks: each rank reads its
+    slices of plain safetensors tensors and keeps them in the model's dtype."""
+    if is_gguf_file(path) or config.packed_weights is not None:
+        kind = "GGUF" if is_gguf_file(path) else config.packed_weights.method.upper()
+        raise ValueError(
+            "tensor parallelism reads each rank's slices of plain safetensors weights, "
+            f"which a {kind} checkpoint does not have ({path}): use tensor_parallel_size=1 "
+            "or a checkpoint of float weights"
+        )
+    if quantization not in (None, "none"):
+        raise ValueError(
+            f"quantization={quantization!r} does not work with tensor parallelism yet: "
+            "use quantization='none' or tensor_parallel_size=1"
+        )
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights found in {model_dir}")
+    return [os.path.join(model_dir, file) for file in files]
 
 
 def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:

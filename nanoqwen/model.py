@@ -21,6 +21,11 @@ Three things differ, and they are why an engine has its own model code:
 
 Qwen2 adds a bias to q/k/v; Qwen3 instead RMS-normalises each head of q and k before
 RoPE and may tie the lm_head to the embedding. `ModelConfig` carries these switches.
+
+With tensor parallelism (`parallel.py`) each rank builds this same model from its share
+of the shape: its heads, its MLP channels, its rows of the vocabulary. The two
+row-parallel projections, `o_proj` and `down_proj`, then end in an all-reduce, and the
+logits `forward` returns are this rank's slice of the vocabulary.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanoqwen.attention import AttentionBackend, AttentionMetadata
 from nanoqwen.config import ModelConfig
+from nanoqwen.parallel import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -113,9 +119,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """Grouped-query attention over this rank's heads (`config` is the rank's share)."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -145,29 +153,32 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = backend.forward(self.layer, q, k, v.unflatten(-1, (-1, self.head_dim)))
-        return self.o_proj(out.reshape(-1, self.q_size))
+        # Row-parallel: each rank's heads give a partial sum of the output; add them up.
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place: the projection's output is ours, and a fresh tensor this size would
-        # cost the CPU a page fault per 4 KiB.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        # SiLU and the product in place: the projection's output is ours, and a fresh tensor
+        # this size would cost the CPU a page fault per 4 KiB. Row-parallel: each rank's
+        # intermediate channels give a partial sum; add them up.
+        return self.tp.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -179,23 +190,43 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's ids; other ranks fill in the rest."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.first_id, rows = tp.vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        rows = input_ids - self.first_id
+        mine = (rows >= 0) & (rows < self.weight.shape[0])
+        # Ids of other ranks look up row 0 and are zeroed; the all-reduce brings theirs.
+        hidden = F.embedding(rows * mine, self.weight) * mine[:, None]
+        return self.tp.all_reduce(hidden)
+
+
 class QwenModel(nn.Module):
     """Embedding, decoder layers and final norm; parameter names follow transformers'."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class QwenForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.model = QwenModel(config)
-        self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = tp.shard_config(config)  # this rank's heads and MLP channels
+        self.model = QwenModel(self.config, tp)
+        self.rotary = RotaryEmbedding(self.config)
+        _, vocab_rows = tp.vocab_shard(config.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -210,7 +241,8 @@ class QwenForCausalLM(nn.Module):
         backend: AttentionBackend,
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Run `[T]` tokens through the decoder; return logits `[len(sample_rows), vocab]`."""
+        """Run `[T]` tokens through the decoder; return logits `[len(sample_rows), vocab]`
+        (with tensor parallelism, this rank's rows of the vocabulary)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.rotary(metadata.positions, metadata, hidden.dtype)
         for layer in self.model.layers:
@@ -219,5 +251,5 @@ class QwenForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 0:
-            return hidden.new_empty(0, self.config.vocab_size)
+            return hidden.new_empty(0, self.lm_head.out_features)
         return self.lm_head(self.model.norm(hidden))

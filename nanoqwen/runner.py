@@ -4,35 +4,50 @@ The engine thinks in requests; the runner turns one step of them into tokens. It
 
 * **the model**, loaded from the checkpoint (`loader.py`);
 * **the KV pool**, sized once at start-up by `num_kv_pages()`: what the user asked for,
-  or on a GPU what is left after the weights and the biggest step's activations, or on a
-  CPU a stated share of the available memory;
-* **the attention backend**: flashinfer on CUDA when it can run the model, else the fast
-  torch backend (`attention_backend` picks one by name; "reference" is the textbook one);
+  or on a GPU what is left after the weights, the attention and graph buffers, the
+  biggest step's activations and the graph pool (measured by `memory_profile.py`), or on
+  a CPU a stated share of the available memory;
+* **the attention backend**: flashinfer on CUDA when its kernels build and run for the
+  model, else the fast torch backend (`attention_backend` picks one by name; "reference"
+  is the textbook one);
 * **the decode CUDA graphs** (`cuda_graph.py`), captured at start-up;
 * **the sampler**.
+
+On CUDA everything runs with the model's device made current (`on_device`): graph
+capture, events and streams use the current device, and each thread has its own, so a
+step run by a server's engine thread on `cuda:1` would otherwise record on `cuda:0`.
 
 Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
 forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
 the next token of every request whose last token was computed.
+
+With tensor parallelism (`parallel.py`, `distributed.py`) every rank has a runner over
+its slice of the model and a pool of its heads. Rank 0's `forward` sends the step's
+inputs to the others before all of them run `forward_shard`; the logits come back to
+rank 0 alone, which samples.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import psutil
 import torch
 
 from nanoqwen.attention import AttentionBackend, ReferenceBackend
-from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
+from nanoqwen.attention_flashinfer import FlashInferBackend, check_flashinfer
 from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.batch import PADDING_ROW_TOKEN_ID, ScheduledBatch, StepInputs, build_step_inputs
+from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
 from nanoqwen.config import EngineConfig, ModelConfig
 from nanoqwen.cuda_graph import DecodeGraphRunner, decode_buckets
+from nanoqwen.distributed import Workers
 from nanoqwen.kv_pool import KVPool
 from nanoqwen.loader import load_model
+from nanoqwen.memory_profile import CudaMemory, kv_budget, profile_overhead
+from nanoqwen.parallel import SINGLE, TensorParallel
 from nanoqwen.request import Request
-from nanoqwen.sampler import Sampler, SamplingParams
+from nanoqwen.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -47,62 +62,100 @@ CPU_KV_CACHE_FRACTION = 0.2
 
 
 def attention_backend_class(
-    name: str | None, device: torch.device, head_dim: int, dtype: torch.dtype
+    config: EngineConfig, model_config: ModelConfig, device: torch.device
 ) -> type[AttentionBackend]:
-    """The backend asked for by name; otherwise flashinfer on CUDA when it can run the
-    model, the torch backend everywhere else."""
-    if name is not None:
+    """The backend asked for by name; otherwise flashinfer on CUDA once its kernels for the
+    model are built and run, the torch backend everywhere else."""
+    name = config.attention_backend
+    if name not in (None, "flashinfer"):
         return ATTENTION_BACKENDS[name]
-    if device.type != "cuda":
+    if name is None and device.type != "cuda":
         return TorchBackend
-    reason = flashinfer_unsupported_reason(head_dim, dtype)
+    reason = check_flashinfer(model_config, config.page_size, config.dtype, device)
     if reason is None:
         return FlashInferBackend
+    if name == "flashinfer":
+        raise ValueError(f"attention_backend='flashinfer' cannot run: {reason}")
     logger.warning("%s; falling back to the slower torch attention backend", reason)
     return TorchBackend
 
 
+def on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make `device` the current CUDA device for a while (nothing to do on a CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def exact_device(device: torch.device) -> torch.device:
+    """`cuda` means the current CUDA device: name it, so it stays the same from any thread."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, checkpoint: str, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        checkpoint: str,
+        max_model_len: int,
+        tp: TensorParallel = SINGLE,
+        workers: Workers | None = None,  # rank 0's handle on the other ranks
     ) -> None:
-        self.config, self.model_config = config, model_config
-        self.device: torch.device = config.device
+        self.config, self.tp, self.workers = config, tp, workers
+        self.vocab_size = model_config.vocab_size
+        self.model_config = tp.shard_config(model_config)  # the heads this rank holds
+        self.device = exact_device(config.device)
         self.max_model_len = max_model_len
-        self.model = load_model(
-            checkpoint, model_config, config.dtype, self.device, quantization=config.quantization
-        )
-        self.sampler = Sampler()
-        # Chosen before the pool: on CUDA, sizing the pool runs the model through them.
-        self.backend_class = attention_backend_class(
-            config.attention_backend, self.device, model_config.head_dim, config.dtype
-        )
-        self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
-        self.pool = self._make_pool(self.num_kv_pages())
-        self.backend = self._make_backend(self.pool)
-        self.decode_graphs = (
-            DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
-            if self.decode_buckets
-            else None
-        )
+        with on_device(self.device):
+            self.model = load_model(
+                checkpoint, model_config, config.dtype, self.device,
+                quantization=config.quantization, tp=tp,
+            )
+            self.sampler = Sampler()
+            # Chosen before the pool: on CUDA, sizing the pool runs the model through it.
+            self.backend_class = attention_backend_class(config, model_config, self.device)
+            self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
+            # Every rank's pool has the same pages: as many as the tightest rank can hold.
+            self.pool = self._make_pool(tp.min_over_ranks(self.num_kv_pages()))
+            self.backend = self._make_backend(self.pool)
+            self.decode_graphs = (
+                DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
+                if self.decode_buckets
+                else None
+            )
+            if self.decode_graphs is not None:
+                self.decode_graphs.capture_all()  # on every rank, the same buckets
 
     # ----------------------------------------------------------------- the step
     def run(self, batch: ScheduledBatch) -> list[tuple[Request, int]]:
         """Run one step; return the next token of every request it reached the end of."""
-        inputs = self.prepare(batch)
-        logits = self.forward(inputs)
-        return list(zip(inputs.sampled_requests, self.sample(logits, inputs)))
+        with on_device(self.device):
+            inputs = self.prepare(batch)
+            logits = self.forward(inputs)
+            return list(zip(inputs.sampled_requests, self.sample(logits, inputs)))
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bucket = self.decode_graphs.bucket_for(batch) if self.decode_graphs else None
-        return build_step_inputs(batch, self.pool.page_size, self.device, pad_to=bucket or 0)
+        # With other ranks, the inputs are laid out on the host, where they are sent from.
+        device = self.device if self.workers is None else torch.device("cpu")
+        return build_step_inputs(batch, self.pool.page_size, device, pad_to=bucket or 0)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows, `[S, vocab]`."""
+        if self.workers is None:
+            return self.forward_shard(inputs)
+        with self.workers.step():
+            return self.forward_shard(self.workers.broadcast(inputs, self.device))
+
+    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's part of the forward pass; the full logits on rank 0, None elsewhere."""
         if self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
-            return self.decode_graphs.forward(inputs)
-        self.backend.plan(inputs.metadata)
-        return self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+            logits = self.decode_graphs.forward(inputs)
+        else:
+            self.backend.plan(inputs.metadata)
+            logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
+        return self.tp.gather_logits(logits, self.vocab_size)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[int]:
         if not inputs.sampled_requests:
@@ -111,14 +164,23 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV sizing
     def num_kv_pages(self) -> int:
-        """How many pages the KV pool gets: asked for in pages or bytes, or what fits."""
-        if self.config.num_pages is not None:
-            return self.config.num_pages
-        memory = self.config.kv_cache_memory
-        if memory is not None and memory <= 1:  # a fraction of what is free
-            memory *= self._available_memory()
-        if memory is None:
-            memory = self._cuda_kv_memory() if self.device.type == "cuda" else self._cpu_kv_memory()
+        """How many pages the KV pool gets, the scratch page included.
+
+        Asked for in pages, or in bytes; otherwise a share of the memory. On a GPU that is
+        `gpu_memory_utilization` of the device (or the `kv_cache_memory` fraction of what
+        is free), less what the engine needs beside its weights and the pool, measured by
+        `memory_profile.py`; on a CPU, a stated share of the available RAM.
+        """
+        config = self.config
+        if config.num_pages is not None:
+            return config.num_pages
+        asked = config.kv_cache_memory
+        if asked is not None and asked > 1:
+            memory = asked
+        elif self.device.type == "cuda":
+            memory = self._cuda_kv_memory(fraction=asked)
+        else:
+            memory = self._cpu_kv_memory(fraction=asked)
         return max(2, int(memory // self._page_bytes()) + 1)
 
     def _page_bytes(self) -> int:
@@ -127,70 +189,26 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size, self.config.dtype
         )
 
-    def _available_memory(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.device)[0]
-        return psutil.virtual_memory().available
-
-    def _cpu_kv_memory(self) -> float:
+    def _cpu_kv_memory(self, fraction: float | None) -> float:
+        # Tensor-parallel ranks on a CPU share its memory.
+        available = psutil.virtual_memory().available / self.tp.size
+        if fraction is not None:
+            return fraction * available
         pages_per_sequence = -(-self.max_model_len // self.config.page_size)
         every_sequence_full = self.config.max_num_seqs * pages_per_sequence * self._page_bytes()
-        return min(CPU_KV_CACHE_FRACTION * self._available_memory(), every_sequence_full)
+        return min(CPU_KV_CACHE_FRACTION * available, every_sequence_full)
 
-    def _cuda_kv_memory(self) -> float:
-        """`gpu_memory_utilization` of the GPU, less what everything but the KV pool needs.
-
-        That is what is in use now (weights, the CUDA context), the peak of the biggest
-        step (a full prefill chunk plus a decode token for every sequence, all sampled),
-        and the graph pool, which holds the temporaries of the largest decode bucket for good.
-        """
-        config = self.config
-        num_seqs = config.max_num_seqs
-        activations = self._profile_step_memory(config.chunk_size + num_seqs, num_seqs)
-        if self.decode_buckets:
-            largest = self.decode_buckets[-1]
-            activations += self._profile_step_memory(largest, largest)
-        torch.cuda.empty_cache()  # so that `free` counts what the profiling runs left cached
+    def _cuda_kv_memory(self, fraction: float | None) -> float:
+        overhead = profile_overhead(
+            self.model, GatheredSampler(self.sampler, self.tp, self.vocab_size),
+            self.backend_class, self._make_pool, self.config, self.max_model_len,
+            self.decode_buckets, CudaMemory(self.device),
+        )
+        torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = config.gpu_memory_utilization * total - (total - free) - activations
-        if budget <= 0:
-            gib = 2**30
-            raise ValueError(
-                f"no GPU memory left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
-                f"{activations / gib:.1f} GiB for activations exceed gpu_memory_utilization="
-                f"{config.gpu_memory_utilization} of {total / gib:.1f} GiB; lower max_num_seqs "
-                "or chunk_size, or raise gpu_memory_utilization"
-            )
+        budget = kv_budget(free, total, overhead, fraction, self.config.gpu_memory_utilization)
+        logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", budget / 2**30, overhead)
         return budget
-
-    def _profile_step_memory(self, num_tokens: int, num_sequences: int) -> int:
-        """Peak CUDA bytes one step allocates beyond the weights and the KV pool.
-
-        The step computes `num_tokens` prompt tokens spread over `num_sequences` requests,
-        all sampled with top-p (the sampler's hungriest path), through a fresh attention
-        backend, so its buffers are counted too. It runs on a throwaway pool in which every
-        request shares the same pages: only the memory is of interest, not the values.
-        """
-        share, rest = divmod(num_tokens, num_sequences)
-        lengths = [share + (i < rest) for i in range(num_sequences)]
-        num_pages = -(-lengths[0] // self.config.page_size)
-        pool = self._make_pool(num_pages + 1)
-        pages = pool.allocate(num_pages)
-        params = SamplingParams(top_p=0.9)
-        requests = [
-            Request(f"profile-{i}", [PADDING_ROW_TOKEN_ID] * length, params, pages=pages)
-            for i, length in enumerate(lengths)
-        ]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        backend = self._make_backend(pool)
-        inputs = build_step_inputs(ScheduledBatch(requests, lengths), pool.page_size, self.device)
-        backend.plan(inputs.metadata)
-        logits = self.model(inputs.input_ids, inputs.metadata, backend, inputs.sample_rows)
-        self.sample(logits, inputs)
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - before
 
     def _make_pool(self, num_pages: int) -> KVPool:
         cfg = self.model_config
@@ -202,3 +220,15 @@ class ModelRunner:
     def _make_backend(self, pool: KVPool) -> AttentionBackend:
         cfg = self.model_config
         return self.backend_class(pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+
+class GatheredSampler:
+    """The sampler as a tensor-parallel step uses it: the vocabulary slices of the logits
+    joined on rank 0, which alone samples. What the memory profile must measure."""
+
+    def __init__(self, sampler: Sampler, tp: TensorParallel, vocab_size: int) -> None:
+        self.sampler, self.tp, self.vocab_size = sampler, tp, vocab_size
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        logits = self.tp.gather_logits(logits, self.vocab_size)
+        return [] if logits is None else self.sampler.sample(logits, requests)

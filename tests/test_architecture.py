@@ -16,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanoqwen"
 # Lowest layer first. A module may import modules of its own layer or of a lower one,
 # never of a higher one; within a layer, imports must not form a cycle.
 LAYERS = [
-    {"config", "kv_pool", "gguf_checkpoint"},
+    {"config", "kv_pool", "gguf_checkpoint", "parallel"},
     {
         "sampler", "tokenizer", "request", "radix_cache", "attention", "attention_torch",
         "attention_flashinfer", "model", "loader", "batch", "quantization", "gptq_awq",
+        "step_broadcast",
     },
-    {"cuda_graph", "scheduler", "runner"},
+    {"cuda_graph", "memory_profile", "scheduler", "runner", "distributed"},
     {"engine"},
     {"__init__", "cli", "metrics", "server"},
 ]

@@ -1,15 +1,14 @@
-"""The decode-bucket runner on the CPU, and the choice of attention backend.
+"""The decode-bucket runner on the CPU.
 
 Without a GPU the runner still pads decode steps to a bucket and copies them through its
 static buffers before calling the model, so these tests cover what CUDA graphs rely on:
 which bucket a batch gets, that padding rows only ever touch the scratch page, and that
-none of it changes a single output token. Capture and replay are in `test_cuda.py`.
+none of it changes a single output token. Capture and replay are in
+`test_cuda_flashinfer.py`; the choice of attention backend is in `test_cuda_host.py`.
 """
 
 import dataclasses
-import logging
 import random
-import sys
 from typing import NamedTuple
 
 import pytest
@@ -18,12 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
+from nanoqwen.attention_flashinfer import FlashInferBackend
 from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.runner import attention_backend_class
 from nanoqwen.config import EngineConfig
 from nanoqwen.cuda_graph import MAX_BUCKET, decode_buckets, default_buckets
-from nanoqwen.kv_pool import SCRATCH_PAGE, KVPool
+from nanoqwen.kv_pool import SCRATCH_PAGE
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 
 VOCAB = 800
@@ -222,39 +220,3 @@ def test_scratch_page_is_never_handed_out(tight_pair, workload, seed: int) -> No
         outputs.append([final[i].token_ids for i in ids])
         assert engine.pool.ref_counts[SCRATCH_PAGE] == 0
     assert outputs[0] == outputs[1]
-
-
-# ----------------------------------------------------------------- backend choice
-def test_cpu_uses_the_torch_backend(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        assert attention_backend_class(None, torch.device("cpu"), 128, torch.float32) is TorchBackend
-    assert not caplog.records
-
-
-def test_missing_flashinfer_falls_back_with_one_warning(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
-    with caplog.at_level(logging.WARNING):
-        chosen = attention_backend_class(None, torch.device("cuda"), 128, torch.bfloat16)
-    assert chosen is TorchBackend
-    [record] = caplog.records
-    assert "flashinfer" in record.getMessage() and "\n" not in record.getMessage()
-
-
-@pytest.mark.parametrize(
-    "head_dim, dtype, message",
-    [
-        (32, torch.bfloat16, "head_dim 32"),
-        (128, torch.float32, "float32"),
-        (96, torch.float16, "head_dim 96"),
-    ],
-)
-def test_unsupported_shapes_say_why(head_dim: int, dtype: torch.dtype, message: str) -> None:
-    assert message in flashinfer_unsupported_reason(head_dim, dtype)
-
-
-def test_flashinfer_backend_refuses_a_cpu_pool() -> None:
-    pool = KVPool(1, 2, 128, 16, 4, torch.bfloat16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="CUDA"):
-        FlashInferBackend(pool, 8, 2, 128)

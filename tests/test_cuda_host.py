@@ -1,0 +1,262 @@
+"""The CUDA path's host-side decisions, checked on the CPU.
+
+flashinfer's kernels and CUDA graphs need a GPU (`test_cuda.py`, `test_cuda_flashinfer.py`),
+but what surrounds them is plain Python and runs here against stand-ins
+(`fake_flashinfer.py`: flashinfer's wrappers with its parameter names and its CUDA-graph
+buffer contract, attending like the reference backend; events that log their calls):
+
+* every flashinfer wrapper waits on its own event before `plan` and records it after;
+* `FlashInferBackend` plans each kind of step into the right wrapper with the right page
+  table, so an engine on the stand-ins gives exactly the reference backend's tokens;
+* flashinfer counts as available only once the model's kernels are built and have run,
+  under a status line, and a failed build falls back to the torch backend with one
+  warning that names the cause;
+* start-up and every step run with the model's device made current.
+"""
+
+import io
+import logging
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+from rich.console import Console
+
+import fake_flashinfer
+from cuda_helpers import build_model_64
+from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
+from nanoqwen import LLMEngine
+from nanoqwen import attention_flashinfer, runner as runner_module
+from nanoqwen.attention_flashinfer import (
+    FencedWrapper,
+    check_flashinfer,
+    flashinfer_unsupported_reason,
+    warm_up_kernels,
+)
+from nanoqwen.attention_torch import TorchBackend
+from nanoqwen.config import EngineConfig, ModelConfig
+from nanoqwen.cuda_graph import DecodeGraphRunner
+from nanoqwen.runner import ModelRunner, attention_backend_class, exact_device
+from oracle import greedy, random_prompts, run_to_completion
+
+CUDA = torch.device("cuda")  # only ever compared and passed along here, never used
+VOCAB = 800
+BUCKETS = [1, 2, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """head_dim 64 (flashinfer's sizes), groups of 4 query heads per KV head."""
+    return build_model_64(tmp_path_factory.mktemp("qwen2_64"), num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def model_config(model_dir: str) -> ModelConfig:
+    return ModelConfig.from_pretrained(model_dir)
+
+
+def bf16_config(**options) -> EngineConfig:
+    return EngineConfig(model="m", device="cpu", dtype="bfloat16", **options)
+
+
+# ----------------------------------------------------------------- plan fences
+class RecordingWrapper:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def plan(self, *args, **kwargs) -> None:
+        self.log.append(("plan", self))
+
+    def run(self, q, kv_cache):
+        self.log.append(("run", self))
+        return q
+
+
+def test_a_plan_waits_for_the_copy_of_the_previous_one() -> None:
+    log: list = []
+    wrapper, event = RecordingWrapper(log), FakeEvent(log)
+    fenced = FencedWrapper(wrapper, event)
+    for layers in (3, 2):  # two steps, planned once and run once per layer
+        fenced.plan("page table")
+        for _ in range(layers):
+            fenced.run("q", "kv")
+    calls = [(name, "event" if who is event else "wrapper") for name, who in log]
+    step = [("synchronize", "event"), ("plan", "wrapper"), ("record", "event")]
+    assert calls == step + [("run", "wrapper")] * 3 + step + [("run", "wrapper")] * 2
+
+
+def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill, mixed and decode steps, decode steps padded to buckets (each bucket with
+    its own wrapper planned into the graph buffers), and decode steps past the largest
+    bucket: the same tokens as the reference backend, every plan fenced by its own event."""
+    log = fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(runner_module, "check_flashinfer", lambda *args: None)
+    options = dict(device="cpu", dtype="bfloat16", num_pages=300, max_num_seqs=12,
+                   decode_buckets=BUCKETS)
+    prompts = random_prompts(VOCAB, [3 + 7 * i for i in range(11)], seed=4)
+    outputs, engines = [], []
+    for backend in ("flashinfer", "reference"):
+        engine = LLMEngine(model_dir, attention_backend=backend, **options)
+        ids = [engine.add_request(p, greedy(4 + i % 5)) for i, p in enumerate(prompts[:6])]
+        engine.step()
+        ids += [engine.add_request(p, greedy(4 + i % 5)) for i, p in enumerate(prompts[6:])]
+        final = run_to_completion(engine)
+        outputs.append([final[i].token_ids for i in ids])
+        engines.append(engine)
+    assert outputs[0] == outputs[1]
+
+    backend = engines[0].runner.backend
+    fenced = [backend.prefill_wrapper, backend.decode_wrapper]
+    fenced += backend.graph_decode_wrappers.values()
+    assert sorted(backend.graph_decode_wrappers) == BUCKETS
+    event_of = {id(f.wrapper): f.planned for f in fenced}
+    assert len({id(event) for event in event_of.values()}) == len(fenced), "an event is shared"
+    plans = [i for i, (name, _) in enumerate(log) if name == "plan"]
+    for i in plans:
+        event = event_of[id(log[i][1])]
+        assert log[i - 1] == ("synchronize", event) and log[i + 1] == ("record", event)
+    planned = [log[i][1] for i in plans]
+    assert any(isinstance(wrapper, FakePrefillWrapper) for wrapper in planned)
+    decodes = [wrapper for wrapper in planned if isinstance(wrapper, FakeDecodeWrapper)]
+    assert len({id(w) for w in decodes if w.use_cuda_graph}) >= 3, "too few buckets were used"
+    assert any(not w.use_cuda_graph for w in decodes), "no decode step passed the largest bucket"
+
+
+# ----------------------------------------------------------------- kernel availability
+def test_warm_up_plans_and_runs_a_prefill_and_a_decode(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warm_up_kernels(model_config, 1, torch.bfloat16, torch.device("cpu"))  # 1-token pages
+    wrappers = [(name, who) for name, who in log if name in ("plan", "run")]
+    assert [(name, type(who)) for name, who in wrappers] == [
+        ("plan", FakePrefillWrapper), ("run", FakePrefillWrapper),
+        ("plan", FakeDecodeWrapper), ("run", FakeDecodeWrapper),
+    ]
+    prefill = wrappers[0][1].planned
+    assert prefill["qo_indptr"].tolist() == [0, 2] and prefill["kv_indices"].tolist() == [1, 2]
+    assert prefill["shape"] == (model_config.num_heads, model_config.num_kv_heads, 64, 1)
+
+
+@pytest.fixture
+def status_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    """What the start-up status line draws, as a terminal would show it."""
+    screen = io.StringIO()
+    monkeypatch.setattr(attention_flashinfer, "console", Console(file=screen, force_terminal=True))
+    return screen
+
+
+def test_kernels_are_built_at_start_up_under_a_status_line(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake_flashinfer.install(monkeypatch)
+    built = []
+    monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
+    with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
+        assert check_flashinfer(model_config, 16, torch.bfloat16, CUDA) is None
+    assert built == [(model_config, 16, torch.bfloat16, CUDA)]
+    assert "compiling flashinfer kernels" in status_screen.getvalue()
+    assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake_flashinfer.install(monkeypatch)
+
+    def failing_build(*args) -> None:
+        raise RuntimeError("ninja: build stopped: subcommand failed.\nFAILED: decode.cuda.o\n")
+
+    monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", failing_build)
+    with caplog.at_level(logging.WARNING):
+        assert attention_backend_class(bf16_config(), model_config, CUDA) is TorchBackend
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "RuntimeError: ninja: build stopped" in message and "torch" in message
+    assert "\n" not in message
+    # Asked for by name, flashinfer does not fall back: the user hears why it cannot run.
+    with pytest.raises(ValueError, match="ninja: build stopped"):
+        attention_backend_class(bf16_config(attention_backend="flashinfer"), model_config, CUDA)
+
+
+def test_the_cpu_uses_the_torch_backend_without_building_anything(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", pytest.fail)
+    with caplog.at_level(logging.WARNING):
+        chosen = attention_backend_class(bf16_config(), model_config, torch.device("cpu"))
+    assert chosen is TorchBackend and not caplog.records
+    with pytest.raises(ValueError, match="CUDA"):
+        attention_backend_class(bf16_config(attention_backend="flashinfer"), model_config,
+                                torch.device("cpu"))
+
+
+def test_missing_flashinfer_falls_back_with_one_warning(
+    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with caplog.at_level(logging.WARNING):
+        assert attention_backend_class(bf16_config(), model_config, CUDA) is TorchBackend
+    [record] = caplog.records
+    assert "not installed" in record.getMessage() and "\n" not in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype, message",
+    [(32, torch.bfloat16, "head_dim 32"), (128, torch.float32, "float32"),
+     (96, torch.float16, "head_dim 96")],
+)
+def test_unsupported_shapes_say_why(head_dim: int, dtype: torch.dtype, message: str) -> None:
+    assert message in flashinfer_unsupported_reason(head_dim, dtype)
+
+
+# ----------------------------------------------------------------- the model's device
+def test_start_up_and_every_step_run_on_the_models_device(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current: list[torch.device] = []
+
+    @contextmanager
+    def recording_device(device: torch.device):
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    seen: dict[str, list[list[torch.device]]] = {}
+
+    def spy(name: str, function):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, []).append(list(current))
+            return function(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(runner_module, "on_device", recording_device)
+    monkeypatch.setattr(runner_module, "attention_backend_class",
+                        spy("choose backend", attention_backend_class))
+    monkeypatch.setattr(ModelRunner, "num_kv_pages", spy("size pool", ModelRunner.num_kv_pages))
+    monkeypatch.setattr(DecodeGraphRunner, "capture_all",
+                        spy("capture", DecodeGraphRunner.capture_all))
+    monkeypatch.setattr(ModelRunner, "forward", spy("eager step", ModelRunner.forward))
+    monkeypatch.setattr(DecodeGraphRunner, "forward", spy("bucket step", DecodeGraphRunner.forward))
+    engine = LLMEngine(model_dir, device="cpu", num_pages=64, decode_buckets=[1, 2, 4])
+    for prompt in random_prompts(VOCAB, [5, 11], seed=1):
+        engine.add_request(prompt, greedy(3))
+    run_to_completion(engine)
+    assert set(seen) == {"choose backend", "size pool", "capture", "eager step", "bucket step"}
+    for name, stacks in seen.items():
+        assert all(stack == [engine.runner.device] for stack in stacks), name
+
+
+def test_cuda_names_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert exact_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert exact_device(torch.device("cuda:1")) == torch.device("cuda", 1)
+    assert exact_device(torch.device("cpu")) == torch.device("cpu")

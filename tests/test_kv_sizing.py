@@ -1,0 +1,175 @@
+"""Sizing the KV pool on a GPU (`memory_profile.py`), checked on the CPU where it can be.
+
+The CUDA allocator's counters exist only on a GPU (`test_cuda.py` checks the sizes that
+come out there). What does not need them is checked here: the budget the pool gets from
+the measured overhead, that the profiled step bounds every step the scheduler forms, and
+that the profile runs that step, and the largest graph bucket's, through the backend
+that will serve.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoqwen import LLMEngine
+from nanoqwen.attention_torch import TorchBackend
+from nanoqwen.batch import ScheduledBatch
+from nanoqwen.memory_profile import Overhead, kv_budget, profile_overhead, worst_step
+from oracle import check_page_accounting, greedy, random_prompts
+
+GIB = 2**30
+VOCAB = 800
+LIMITS = dict(max_num_seqs=4, chunk_size=16, max_model_len=64, page_size=4)
+
+
+# ----------------------------------------------------------------- the budget
+OVERHEAD = Overhead(resident=1 * GIB, step=2 * GIB, graphs=1 * GIB)
+
+
+def test_by_default_the_pool_gets_the_utilization_less_use_and_overhead() -> None:
+    # 80 GiB, 20 in use (weights, context): 0.9 * 80 - 20 - 4 = 48 GiB for the pool.
+    assert kv_budget(60 * GIB, 80 * GIB, OVERHEAD, None, 0.9) == pytest.approx(48 * GIB)
+
+
+def test_a_fraction_is_of_what_is_free_once_the_overhead_is_set_aside() -> None:
+    # 60 GiB free, 4 of them for the rest of the engine: half of 56.
+    assert kv_budget(60 * GIB, 80 * GIB, OVERHEAD, 0.5, 0.9) == pytest.approx(28 * GIB)
+
+
+@given(
+    free=st.integers(5 * GIB, 80 * GIB),
+    resident=st.integers(0, GIB), step=st.integers(0, 4 * GIB), graphs=st.integers(0, GIB),
+    fraction=st.floats(0.01, 1.0),
+)
+def test_a_fraction_never_takes_memory_the_rest_of_the_engine_needs(
+    free: int, resident: int, step: int, graphs: int, fraction: float
+) -> None:
+    overhead = Overhead(resident, step, graphs)
+    budget = kv_budget(free, 80 * GIB, overhead, fraction, 0.9)
+    assert 0 < budget and budget + overhead.total <= free
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_no_memory_left_says_what_to_change(fraction: float | None) -> None:
+    with pytest.raises(ValueError, match="lower max_num_seqs, max_model_len or chunk_size"):
+        kv_budget(3 * GIB, 80 * GIB, OVERHEAD, fraction, 0.9)
+
+
+# ----------------------------------------------------------------- the profiled step
+def step_shape(batch: ScheduledBatch) -> dict[str, int]:
+    """What a step's memory grows with: rows, tokens, sampled rows, context length."""
+    ends = [r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)]
+    decodes = sum(n == 1 for n in batch.num_new_tokens)
+    return {
+        "rows": len(batch),
+        "decodes": decodes,
+        "tokens": sum(batch.num_new_tokens),
+        "prompt tokens": sum(n for n in batch.num_new_tokens if n > 1),
+        "sampled": sum(batch.reaches_last_token(i) for i in range(len(batch))),
+        "context": max(ends, default=0),
+    }
+
+
+@pytest.fixture(scope="module")
+def small_engine(qwen3_dir: str) -> LLMEngine:
+    """Tight limits and a small pool, so steps hit every limit and requests get preempted."""
+    return LLMEngine(qwen3_dir, device="cpu", num_pages=40, **LIMITS)
+
+
+WORKLOADS = st.lists(
+    st.tuples(st.integers(1, 50), st.integers(1, 20), st.integers(0, 3)), min_size=1, max_size=10
+)
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(workload=WORKLOADS, seed=st.integers(0, 1000))
+def test_the_profiled_step_bounds_every_scheduled_step(
+    small_engine: LLMEngine, workload, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests (prompt length, max tokens, steps before the next arrives)."""
+    engine = small_engine
+    shapes = []
+    run = engine.runner.run
+
+    def recorded(batch: ScheduledBatch):
+        shapes.append(step_shape(batch))
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", recorded)
+    prompts = random_prompts(VOCAB, [length for length, _, _ in workload], seed=seed)
+    for prompt, (_, max_tokens, steps_before) in zip(prompts, workload):
+        for _ in range(steps_before):
+            engine.step()
+        engine.add_request(prompt, greedy(max_tokens))
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_page_accounting(engine)
+    monkeypatch.undo()
+
+    pages = list(range(1, 1 + LIMITS["max_model_len"] // LIMITS["page_size"]))
+    worst = step_shape(
+        worst_step(pages, LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_model_len"])
+    )
+    assert shapes
+    for shape in shapes:
+        assert all(shape[key] <= worst[key] for key in worst), (shape, worst)
+
+
+# ----------------------------------------------------------------- the profile itself
+class SpyBackend(TorchBackend):
+    """The torch backend, noting the page table of every step it plans."""
+
+    planned: list = []
+
+    def plan(self, metadata) -> None:
+        SpyBackend.planned.append(metadata)
+        super().plan(metadata)
+
+
+class NoCounters:
+    """Stands in for the CUDA allocator's counters, which a CPU does not have."""
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+
+def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
+    small_engine: LLMEngine,
+) -> None:
+    runner, config = small_engine.runner, small_engine.config
+    SpyBackend.planned = []
+    profile_overhead(
+        runner.model, runner.sampler, SpyBackend, runner._make_pool, config,
+        LIMITS["max_model_len"], [1, 2, 4], NoCounters(),
+    )
+    eager, bucket = SpyBackend.planned
+    # Every sequence decoding and a full prefill chunk, all at max_model_len.
+    assert eager.batch_size == LIMITS["max_num_seqs"] + 1
+    assert sorted(eager.q_lens().tolist()) == [1] * LIMITS["max_num_seqs"] + [LIMITS["chunk_size"]]
+    assert eager.max_kv_len == LIMITS["max_model_len"]
+    # The largest bucket's decodes, through the bucket runner.
+    assert bucket.is_decode and bucket.batch_size == 4
+    assert bucket.max_kv_len == LIMITS["max_model_len"]
+
+
+class OutOfMemoryBackend(TorchBackend):
+    def plan(self, metadata) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+
+def test_a_step_that_cannot_fit_says_what_to_change(small_engine: LLMEngine) -> None:
+    runner = small_engine.runner
+    with pytest.raises(ValueError, match="OutOfMemoryBackend.*lower max_num_seqs"):
+        profile_overhead(
+            runner.model, runner.sampler, OutOfMemoryBackend, runner._make_pool,
+            small_engine.config, LIMITS["max_model_len"], [], NoCounters(),
+        )

@@ -1,0 +1,445 @@
+"""Tensor parallelism on CPU processes (gloo): the same tokens as one device, and no
+process left behind, whatever happens to the ranks.
+
+Starting ranks costs seconds (each is a fresh Python importing torch), so the tests share
+engines: `engines` keeps one tensor-parallel engine alive at a time (torch.distributed
+allows one per process) and shuts it down before starting the next; the last test of
+each setup kills a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.distributed.run import main as torchrun
+
+from checkpoints import build_qwen2
+from gguf_files import F, all_of, write_gguf
+from nanoqwen import LLM, SamplingParams, StepError
+from nanoqwen.attention import AttentionMetadata
+from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
+from nanoqwen.config import ModelConfig
+from nanoqwen.distributed import WorkerFailure
+from nanoqwen.loader import load_model
+from nanoqwen.parallel import TensorParallel, TensorSlice, check_tensor_parallel
+from nanoqwen.request import Request
+from nanoqwen.step_broadcast import METADATA_INTS, METADATA_TENSORS, STEP_TENSORS
+from oracle import greedy, random_prompts
+from packed_checkpoints import Layout, write_packed_checkpoint
+
+VOCAB = 800
+# Small pages, a small pool, small chunks and few sequences at a time: prefills are
+# chunked, requests are preempted, and later prompts find earlier ones in the cache.
+# Decode steps are padded to buckets through the CUDA-graph runner's buffers, as on a GPU.
+OPTIONS = dict(
+    page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def helper_processes() -> set[int]:
+    """Our child processes, but for multiprocessing's resource tracker (it lives as long
+    as the test process, whatever the engines do)."""
+    return {
+        child.pid for child in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(child.cmdline())
+    }
+
+
+def assert_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"processes {alive} outlived their engine")
+
+
+class Engines:
+    """One live tensor-parallel engine at a time, reused by the tests that want it."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, int] | None = None
+        self.llm: LLM | None = None
+
+    def get(self, model_dir: str, size: int) -> LLM:
+        """The engine splitting `model_dir` over `size` ranks."""
+        if self.key != (model_dir, size):
+            self.close()
+            self.llm = LLM(model_dir, tensor_parallel_size=size, **OPTIONS)
+            self.key = (model_dir, size)
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            pids = self.llm.engine.workers.pids
+            self.llm.shutdown()
+            assert_gone(pids)
+            self.llm = self.key = None
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Engines]:
+    engines = Engines()
+    yield engines
+    engines.close()
+    assert helper_processes() == set()
+
+
+@pytest.fixture(autouse=True)
+def no_stray_processes(engines: Engines) -> Iterator[None]:
+    """After every test, our only children are the live shared engine's workers."""
+    yield
+    shared = set(engines.llm.engine.workers.pids) if engines.llm is not None else set()
+    assert helper_processes() == shared
+
+
+@pytest.fixture(scope="module")
+def six_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Six query heads and one KV head, so three ranks share (replicate) the KV head; the
+    vocabulary (800) does not divide by three, so the last rank's rows are padded."""
+    return build_qwen2(
+        tmp_path_factory.mktemp("six-heads"), hidden_size=96, num_attention_heads=6,
+        num_key_value_heads=1, intermediate_size=192,
+    )
+
+
+# Module-scoped, so that pytest runs all the tests of one setup before the next.
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2_dir", 2), ("qwen3_dir", 2), ("six_heads_dir", 3)],
+    ids=["qwen2-tp2", "qwen3-tp2", "six-heads-tp3"],
+)
+def setup(request: pytest.FixtureRequest) -> tuple[str, int]:
+    name, size = request.param
+    return request.getfixturevalue(name), size
+
+
+@pytest.fixture(scope="module")
+def one_device() -> Callable[[str], LLM]:
+    """The same settings on one device, one engine per model."""
+    llms: dict[str, LLM] = {}
+    return lambda model_dir: llms.setdefault(model_dir, LLM(model_dir, **OPTIONS))
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prefix = random_prompts(VOCAB, [20], seed=40)[0]
+    prompts = [prefix + tail for tail in random_prompts(VOCAB, [3, 9, 14], seed=41)]
+    prompts += random_prompts(VOCAB, [37, 5, 26], seed=42) + [prefix + [1, 2, 3]]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(3)]
+    return prompts, [greedy(12)] * 4 + seeded
+
+
+def test_same_tokens_as_one_device(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
+    model_dir, size = setup
+    prompts, params = workload()
+    expected = one_device(model_dir).generate(prompts, params)
+    split = engines.get(model_dir, size)
+    outputs = split.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.num_cached_tokens for o in outputs] == [o.num_cached_tokens for o in expected]
+    stats = split.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0  # all in the mix
+    assert stats["pages_used"] == 0
+
+
+def test_first_step_logits_match_one_device(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
+    model_dir, size = setup
+    prompts = random_prompts(VOCAB, [1, 5, 9], seed=43)  # one step: within chunk_size
+    expected = first_step_logits(one_device(model_dir), prompts)
+    logits = first_step_logits(engines.get(model_dir, size), prompts)
+    assert logits.shape == (len(prompts), VOCAB)
+    # The all-reduces add partial sums in another order than one matmul does.
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    engine = llm.engine
+    ids = [engine.add_request(prompt, greedy(1)) for prompt in prompts]
+    batch = engine.scheduler.schedule().batch
+    logits = engine.runner.forward(engine.runner.prepare(batch))
+    for request_id in ids:
+        engine.abort(request_id)
+    return logits
+
+
+def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
+    setup: tuple[str, int], engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = engines.get(*setup)
+    prompts, params = workload()
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    runner = llm.engine.runner
+    forward_shard = runner.forward_shard
+
+    def interrupted(inputs: StepInputs) -> torch.Tensor | None:
+        os.kill(os.getpid(), signal.SIGINT)  # arrives before this rank's all-reduces
+        return forward_shard(inputs)
+
+    monkeypatch.setattr(runner, "forward_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    monkeypatch.undo()
+    assert llm.engine.workers.failure is None
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
+    setup: tuple[str, int], engines: Engines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last test of each setup: it ends the engine."""
+    llm = engines.get(*setup)
+    workers = llm.engine.workers
+    pids = workers.pids
+    runner = llm.engine.runner
+    forward_shard = runner.forward_shard
+
+    def killing(inputs: StepInputs) -> torch.Tensor | None:
+        os.kill(pids[-1], signal.SIGKILL)  # the other ranks are running this step too
+        return forward_shard(inputs)
+
+    monkeypatch.setattr(runner, "forward_shard", killing)
+    prompts, params = workload()
+    for _ in range(2):  # the step the rank dies in, and any step after it
+        start = time.monotonic()
+        with pytest.raises(StepError) as raised:
+            llm.generate(prompts, params)
+        assert time.monotonic() - start < 10  # a hang would take COLLECTIVE_TIMEOUT
+        failure = raised.value.__cause__
+        assert isinstance(failure, WorkerFailure)
+        assert f"worker {len(pids)} (pid {pids[-1]}) was killed by SIGKILL" in str(failure)
+    assert llm.stats()["running"] == llm.stats()["waiting"] == 0
+    # The other workers failed in the same step, or exit once rank 0's pipes close.
+    for pipe in workers.pipes:
+        pipe.close()
+    assert_gone(pids, within=5)
+    engines.close()
+
+
+@pytest.mark.parametrize("model", ["qwen2_dir", "qwen3_dir"])
+def test_three_ranks_cannot_split_four_heads(model: str, request: pytest.FixtureRequest) -> None:
+    """Refused before any process starts (the autouse check sees no child)."""
+    message = "tensor_parallel_size=3 must divide the model's 4 attention heads"
+    with pytest.raises(ValueError, match=message):
+        LLM(request.getfixturevalue(model), tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize(("size", "shape", "message"), [
+    (4, {"num_heads": 8, "num_kv_heads": 6}, "the model's 6 key/value heads or be a multiple"),
+    (4, {"num_heads": 8, "num_kv_heads": 3}, "the model's 3 key/value heads or be a multiple"),
+    (2, {"intermediate_size": 129}, "intermediate_size=129"),
+])
+def test_shapes_that_do_not_split_are_named(
+    size: int, shape: dict, message: str, qwen2_dir: str
+) -> None:
+    config = dataclasses.replace(ModelConfig.from_pretrained(qwen2_dir), **shape)
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(config, size)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "gptq", "int8 at run time"])
+def test_quantized_weights_are_refused_before_any_process_starts(
+    kind: str, qwen2_dir: str, tmp_path: Path
+) -> None:
+    """Ranks read slices of plain safetensors tensors: GGUF blocks and GPTQ packing do not
+    slice that way, and quantizing each rank's slices is not supported yet."""
+    options: dict = {}
+    if kind == "gguf":
+        model = write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.Q8_0))
+        message = "a GGUF checkpoint"
+    elif kind == "gptq":
+        layout = Layout("gptq", 4, 32, symmetric=True)
+        model, _ = write_packed_checkpoint(qwen2_dir, tmp_path, layout)
+        message = "a GPTQ checkpoint"
+    else:
+        model, options, message = qwen2_dir, {"quantization": "int8"}, "quantization='int8'"
+    with pytest.raises(ValueError, match=message):
+        LLM(model, tensor_parallel_size=2, **options)
+
+
+@pytest.mark.parametrize(
+    ("model", "size"), [("qwen2_dir", 2), ("qwen3_dir", 4), ("six_heads_dir", 3)]
+)
+def test_each_rank_reads_only_its_slice_of_the_checkpoint(
+    model: str, size: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading needs no other rank: every rank's weights, loaded alone, are the slices of
+    the full model's, and the loader reads nothing more than those slices."""
+    model_dir = request.getfixturevalue(model)
+    config = ModelConfig.from_pretrained(model_dir)
+    full = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr("nanoqwen.loader.safe_open", SliceOnlyFile)
+    for rank in range(size):
+        SliceOnlyFile.elements_read = 0
+        tp = TensorParallel(rank, size)
+        shard = load_model(model_dir, config, torch.float32, torch.device("cpu"), tp=tp)
+        params = dict(shard.named_parameters())
+        for name, tensor in params.items():
+            expected = expected_slice(name, full, config, tp)
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+        start, rows = tp.vocab_shard(config.vocab_size)
+        padding = (rows - min(rows, config.vocab_size - start)) * config.hidden_size
+        tied = config.tie_word_embeddings
+        kept = sum(p.numel() for p in params.values())
+        assert SliceOnlyFile.elements_read == kept - padding * (1 if tied else 2)
+
+
+class SliceOnlyFile:
+    """`safe_open` that lets a loader read slices only (it has no `get_tensor`), and
+    counts the elements they hold."""
+
+    elements_read = 0
+
+    def __init__(self, path: str, **options: str) -> None:
+        self.file = safe_open(path, **options)
+
+    def __enter__(self) -> SliceOnlyFile:
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.file.__exit__(*exc_info)
+
+    def keys(self) -> list[str]:
+        return self.file.keys()
+
+    def get_slice(self, name: str) -> CountingSlice:
+        return CountingSlice(self.file.get_slice(name))
+
+
+class CountingSlice:
+    def __init__(self, source: TensorSlice) -> None:
+        self.source = source
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        tensor = self.source[index]
+        SliceOnlyFile.elements_read += tensor.numel()
+        return tensor
+
+
+def expected_slice(
+    name: str, full: torch.nn.Module, config: ModelConfig, tp: TensorParallel
+) -> torch.Tensor:
+    """Rank `tp.rank`'s part of the full model's parameter `name`, worked out from head
+    and channel numbers (not from the loader's code)."""
+    weight = dict(full.named_parameters())[name]
+    head_dim, size, rank = config.head_dim, tp.size, tp.rank
+    if "qkv_proj" in name:
+        q_heads = config.num_heads // size
+        kv_heads = max(1, config.num_kv_heads // size)
+        kv_first = rank * config.num_kv_heads // size
+        q, k, v = weight.split([config.num_heads * head_dim, *[config.num_kv_heads * head_dim] * 2])
+        return torch.cat([
+            q[rank * q_heads * head_dim:][: q_heads * head_dim],
+            k[kv_first * head_dim:][: kv_heads * head_dim],
+            v[kv_first * head_dim:][: kv_heads * head_dim],
+        ])
+    if "o_proj" in name:
+        width = config.num_heads // size * head_dim
+        return weight[:, rank * width:][:, :width]
+    if "gate_up_proj" in name:
+        gate, up = weight.chunk(2)
+        width = config.intermediate_size // size
+        return torch.cat([gate[rank * width:][:width], up[rank * width:][:width]])
+    if "down_proj" in name:
+        width = config.intermediate_size // size
+        return weight[:, rank * width:][:, :width]
+    if "embed_tokens" in name or "lm_head" in name:
+        rows = -(-config.vocab_size // size)
+        part = weight[rank * rows:][:rows]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+    return weight  # norms, Qwen3's q/k norms included, are the same on every rank
+
+
+def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> None:
+    """Every tensor of a step crosses to the other ranks; what stays on rank 0 is its
+    bookkeeping (which requests the rows are), never a tensor."""
+    request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
+    inputs = build_step_inputs(ScheduledBatch([request], [9]), 4, torch.device("cpu"), pad_to=2)
+    for field in StepInputs.__dataclass_fields__:
+        if field not in (*STEP_TENSORS, "metadata"):
+            assert not isinstance(getattr(inputs, field), torch.Tensor), field
+    host_copies = {f for f in AttentionMetadata.__dataclass_fields__ if f.endswith("_host")}
+    carried = set(METADATA_TENSORS) | set(METADATA_INTS) | host_copies
+    assert set(AttentionMetadata.__dataclass_fields__) == carried
+
+
+def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
+    qwen2_dir: str, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen2_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"):
+        LLM(str(broken), tensor_parallel_size=2)
+    # (The autouse check: the worker that failed alike is gone too.)
+
+
+def test_workers_exit_by_themselves_when_rank_zero_is_gone(
+    qwen2_dir: str, engines: Engines
+) -> None:
+    """However rank 0 ends (SIGTERM, SIGKILL, a crash), its ends of the pipes close, and
+    that is all a worker needs to notice: here they close while rank 0 lives on."""
+    llm = engines.get(qwen2_dir, 2)
+    workers = llm.engine.workers
+    (worker,), (pipe,) = workers.processes, workers.pipes
+    pipe.close()
+    worker.join(timeout=5)
+    assert worker.exitcode == 1  # its own exit, not our terminate
+    start = time.monotonic()
+    with pytest.raises(StepError) as raised:
+        llm.generate(*workload())
+    assert time.monotonic() - start < 10  # fails before sending anything
+    assert f"worker 1 (pid {worker.pid}) exited with code 1" in str(raised.value.__cause__)
+    engines.close()
+
+
+def test_torchrun_runs_the_same_script_on_every_rank(
+    qwen3_dir: str, tmp_path: Path, one_device: Callable[[str], LLM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """env:// rendezvous: rank 0 generates, rank 1 serves inside `LLM(...)` and exits when
+    rank 0 does (here, at its exit, without an explicit shutdown). torchrun's launcher
+    runs in this process, which spares starting one more interpreter."""
+    result = tmp_path / "tokens.json"
+    script = tmp_path / "generate.py"
+    script.write_text(
+        "import json\n"
+        "from nanoqwen import LLM\n"
+        "from oracle import greedy, random_prompts\n"
+        f"llm = LLM({qwen3_dir!r}, tensor_parallel_size=2, **{OPTIONS!r})\n"
+        f"prompts = random_prompts({VOCAB}, [5, 30], seed=44)\n"
+        "outputs = llm.generate(prompts, greedy(8))\n"
+        f"open({str(result)!r}, 'w').write(json.dumps([o.token_ids for o in outputs]))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{REPO / 'tests'}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun would set, here and for good
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        torchrun(["--standalone", "--nproc-per-node", "2", str(script)])
+    finally:
+        for sig, handler in handlers.items():  # the launcher installs its own
+            signal.signal(sig, handler)
+    expected = one_device(qwen3_dir).generate(random_prompts(VOCAB, [5, 30], seed=44), greedy(8))
+    assert json.loads(result.read_text()) == [o.token_ids for o in expected]
