@@ -41,8 +41,14 @@ speedup is the median of the rounds' ratios. `--decode-batch B` adds the steady-
 decode micro-benchmark of `bench_decode.py`.
 
 `--speculative ngram|draft` (with the other speculative-decoding options) runs every round
-twice, with speculation and without (which goes first alternates), and reports tokens per request per step, the
-acceptance rate, the mean accepted length and the speedup of the first over the second.
+twice, with speculation and without (which goes first alternates), and reports tokens per
+request per step, the acceptance rate, the mean accepted length and the speedup of the
+first over the second.
+
+`--floor` replays, right after each round, the token schedule the engine just ran through
+the model's dense layers alone (`bench_floor.py`): `floor_ratio` is the engine's wall time
+over that floor, and the time above it is split into attention, norms + rope +
+activations, sampling and bookkeeping. The report shows the round with the median ratio.
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
@@ -71,6 +77,7 @@ from transformers.utils import logging as transformers_logging
 
 from bench_baseline import run_transformers
 from bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
+from bench_floor import SPLIT, FloorRecorder, measure_floor
 from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
@@ -253,6 +260,7 @@ class EngineRun:
     preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
     speculation: SpeculationStats
+    floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
 
 
 class SessionDriver:
@@ -359,23 +367,43 @@ def run_engine(
     )
 
 
-def run_fresh_engine(
-    model_dir: str,
-    options: dict[str, Any],
-    token_ids: Sequence[int],
-    sessions: Sequence[Session],
-    temperature: float,
-    progress: Progress,
-    description: str,
-) -> EngineRun:
-    """Load an engine, warm it up, serve every session, and free it again."""
-    engine, timer = load_engine(model_dir, options)
-    warm_up(engine, token_ids)
-    run = run_engine(engine, timer, sessions, temperature, progress, description)
-    engine.shutdown()  # stops the other tensor-parallel ranks, if any
-    del engine
-    free_memory()
-    return run
+@dataclass
+class Bench:
+    """What every engine run of one benchmark shares."""
+
+    model_dir: str
+    token_ids: list[int]
+    sessions: list[Session]
+    temperature: float
+    floor: bool  # replay every run's token schedule through the dense layers alone
+    progress: Progress
+    status_console: Console
+
+    def run(
+        self, options: dict[str, Any], description: str, decode: tuple[int, int] | None = None
+    ) -> tuple[EngineRun, Metrics | None]:
+        """Load a fresh engine, warm it up, serve every session, and free it again. With
+        `floor`, the run's floor is measured right after it, on the same machine; with
+        `decode` = (batch size, context length), steady-state decoding is timed too."""
+        engine, timer, recorder = load_engine(self.model_dir, options, self.floor)
+        decode_figures = None
+        try:
+            warm_up(engine, self.token_ids)
+            if recorder is not None:
+                recorder.reset()  # the warm-up's steps are not the run's
+            run = run_engine(
+                engine, timer, self.sessions, self.temperature, self.progress, description
+            )
+            if recorder is not None:
+                with self.status_console.status(f"dense-matmul floor, {description}"):
+                    run.floor = measure_floor(engine, recorder, run.wall_s, run.phase_seconds)
+            if decode is not None:
+                decode_figures = measure_decode(engine, timer, *decode, self.token_ids)
+        finally:
+            engine.shutdown()  # stops the other tensor-parallel ranks, if any
+        del engine
+        free_memory()  # on a GPU the engine holds most of it, transformers needs some
+        return run, decode_figures
 
 
 def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
@@ -482,6 +510,12 @@ def median_round(rounds: Sequence[Metrics]) -> Metrics:
     return sorted(rounds, key=lambda figures: figures["wall_s"])[(len(rounds) - 1) // 2]
 
 
+def median_floor_round(rounds: Sequence[Metrics]) -> Metrics:
+    """The round with the median floor ratio (of an even count, the lower middle one),
+    whole, so that its split adds up."""
+    return sorted(rounds, key=lambda figures: figures["floor_ratio"])[(len(rounds) - 1) // 2]
+
+
 def free_memory() -> None:
     """Return what dropped objects held, on a GPU too, before another model needs it."""
     gc.collect()
@@ -531,6 +565,8 @@ def print_report(console: Console, result: Metrics) -> None:
     console.print(_phase_table(result["nanoqwen"]))
     if "policies" in result:
         console.print(_policy_table(result["policies"]))
+    if "floor" in result:
+        console.print(_floor_table(result["floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
@@ -618,6 +654,28 @@ def _p50_p95(latency: dict[str, float]) -> str:
     return f"{latency['p50']:.1f} / {latency['p95']:.1f}"
 
 
+FLOOR_LABELS = {
+    "attention": "attention (plan + forward)",
+    "norms_rope_activations": "norms, rope, activations (rest of forward)",
+    "sampling": "sampling",
+    "bookkeeping": "bookkeeping (schedule, propose, prepare, detokenize)",
+}
+
+
+def _floor_table(floor: Metrics) -> Table:
+    table = Table(title=f"Against the dense-matmul floor: {floor['floor_ratio']:.2f}x")
+    for column in ("part", "seconds", "adds to the ratio"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    table.add_row("engine wall time", f"{floor['engine_s']:.2f}", f"{floor['floor_ratio']:.2f}x")
+    table.add_row("dense matmuls alone (floor)", f"{floor['floor_s']:.2f}", "1.00x")
+    for name in SPLIT:
+        table.add_row(
+            f"  {FLOOR_LABELS[name]}", f"{floor['split'][name]:.2f}",
+            f"+{floor['split_ratio'][name]:.2f}x",
+        )
+    return table
+
+
 def _decode_table(decode: Metrics) -> Table:
     title = "Steady-state decode: {batch_size} requests, {context_tokens}-token prompts"
     table = Table(title=title.format(**decode))
@@ -642,15 +700,22 @@ def resolve_model(model: str | None, random_weights: str | None) -> str:
         raise click.UsageError(str(error)) from None
 
 
-def load_engine(model_dir: str, options: dict[str, Any]) -> tuple[LLMEngine, PhaseTimer]:
-    """A fresh engine, with a phase timer installed."""
+def load_engine(
+    model_dir: str, options: dict[str, Any], floor: bool = False
+) -> tuple[LLMEngine, PhaseTimer, FloorRecorder | None]:
+    """A fresh engine, with a phase timer installed (and with `floor`, a floor recorder
+    inside it, so that the timer counts what the recorder adds)."""
     try:
         engine = LLMEngine(model_dir, **options)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    recorder = FloorRecorder() if floor else None
+    if recorder is not None:
+        engine.instrument(recorder.wrap)
+        recorder.attach(engine)
     timer = PhaseTimer()
     engine.instrument(timer.wrap)
-    return engine, timer
+    return engine, timer, recorder
 
 
 def check_workload(workload: Workload) -> None:
@@ -720,6 +785,7 @@ def assemble_result(
     baseline_rounds: list[Metrics] | None,
     decode: Metrics | None,
     plain_rounds: list[Metrics] | None = None,
+    floor_rounds: list[Metrics] | None = None,
 ) -> Metrics:
     """The figures of the last policy run are nanoqwen's (with more than one policy, each
     policy's median round is under "policies" too), and each comparison is the median of its
@@ -746,6 +812,10 @@ def assemble_result(
         rounds[name] = others
     if decode is not None:
         result["decode"] = decode
+    if floor_rounds is not None:
+        # A round's engine run and floor replay are back to back, like the comparisons.
+        result["floor"] = median_floor_round(floor_rounds)
+        rounds["floor"] = floor_rounds
     result["rounds"] = rounds
     return result
 
@@ -793,6 +863,11 @@ def assemble_result(
     help="Also time steady-state decode at this batch size (prompts of --min-input tokens).",
 )
 @click.option(
+    "--floor",
+    is_flag=True,
+    help="Also replay each round's token schedule through the dense layers alone.",
+)
+@click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
@@ -821,6 +896,7 @@ def main(
     compare: str | None,
     rounds: int,
     decode_batch: int | None,
+    floor: bool,
     threads: int | None,
     json_path: Path | None,
     **engine_option_values: Any,
@@ -842,7 +918,7 @@ def main(
     options = pop_engine_options(engine_option_values)
     policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
-        engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
+        engine, _, _ = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
         token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
     sessions = make_sessions(workload, token_ids)
     if scenario == "copy":
@@ -865,11 +941,15 @@ def main(
         "scheduling_policies": list(policies),
         **engine_settings(engine, threads),
     }
+    engine.shutdown()
+    del engine
+    free_memory()
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     plain_runs: list[EngineRun] = []
     baseline_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
+        bench = Bench(model_dir, token_ids, sessions, temperature, floor, progress, status_console)
         for index in range(rounds):
             # Each round has a fresh engine per policy (and, with speculation, one without
             # it) and a fresh transformers process, one after the other, so a machine that
@@ -878,29 +958,20 @@ def main(
             plain_description = f"nanoqwen without speculation, round {index + 1}"
             plain_first = plain_options is not None and index % 2 == 1
             if plain_first:
-                plain_runs.append(run_fresh_engine(
-                    model_dir, plain_options, token_ids, sessions, temperature, progress,
-                    plain_description,
-                ))
+                plain_runs.append(bench.run(plain_options, plain_description)[0])
             for policy in policies:
-                if engine is None:
-                    engine, timer = load_engine(model_dir, {**options, "scheduling_policy": policy})
-                warm_up(engine, token_ids)
                 label = f", {policy}" if len(policies) > 1 else ""
-                description = f"nanoqwen{label}, round {index + 1}"
-                runs[policy].append(
-                    run_engine(engine, timer, sessions, temperature, progress, description)
+                last = index == rounds - 1 and policy == policies[-1]
+                timed_decode = decode_batch is not None and last
+                run, figures = bench.run(
+                    {**options, "scheduling_policy": policy},
+                    f"nanoqwen{label}, round {index + 1}",
+                    (decode_batch, min_input) if timed_decode else None,
                 )
-                if decode_batch is not None and index == rounds - 1 and policy == policies[-1]:
-                    decode = measure_decode(engine, timer, decode_batch, min_input, token_ids)
-                engine.shutdown()  # stops the other tensor-parallel ranks, if any
-                engine = None
-                free_memory()  # on a GPU the engine holds most of it, transformers needs some
+                runs[policy].append(run)
+                decode = figures or decode
             if plain_options is not None and not plain_first:
-                plain_runs.append(run_fresh_engine(
-                    model_dir, plain_options, token_ids, sessions, temperature, progress,
-                    plain_description,
-                ))
+                plain_runs.append(bench.run(plain_options, plain_description)[0])
             if compare == "hf":
                 records = runs[policies[0]][0].records
                 requests = [(record.prompt_token_ids, record.output_len) for record in records]
@@ -911,8 +982,9 @@ def main(
         for policy, policy_runs in runs.items()
     }
     plain_rounds = [summarize_engine_run(run) for run in plain_runs] or None
+    floor_rounds = [run.floor for run in runs[policies[-1]] if run.floor is not None] or None
     result = assemble_result(
-        settings, rounds_by_policy, baseline_rounds or None, decode, plain_rounds
+        settings, rounds_by_policy, baseline_rounds or None, decode, plain_rounds, floor_rounds
     )
     print_report(console, result)
     if json_path is not None:

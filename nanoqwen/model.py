@@ -47,11 +47,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before scaling, exactly as transformers does,
-        # so bf16 results round the same way.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * normalize(x, self.eps)
+
+
+def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dimension in float32 and cast back, as transformers does
+    before scaling (so bf16 results round the same way); `F.rms_norm` does it in one pass."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,8 +79,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq[None, :]
         if self.config.rope_type == "dynamic":
             inv_freq = self._dynamic_inv_freq(metadata)
-        freqs = positions[:, None].float() * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
+        # Both halves of a head rotate by the same angles: `[T, head_dim / 2]` covers them.
+        angles = positions[:, None].float() * inv_freq
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
@@ -104,14 +106,16 @@ def _default_rope_parameters(hf_config, device) -> tuple[torch.Tensor, float]:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, dim]`, cos/sin `[T, dim]`."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """x `[T, heads, dim]`, cos/sin `[T, dim / 2]`: transformers' `x * cos +
+    rotate_half(x) * sin`, where `rotate_half(x)` is `(-second half, first half)`, in three
+    passes over `x` and without the rotated copy."""
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    halves = x.unflatten(-1, (2, -1))  # [T, heads, 2, dim / 2]
+    rotated = halves * cos
+    rotated[:, :, 0].addcmul_(halves[:, :, 1], sin[:, :, 0], value=-1)
+    rotated[:, :, 1].addcmul_(halves[:, :, 0], sin[:, :, 0])
+    return rotated.flatten(-2)
 
 
 class Attention(nn.Module):
@@ -138,15 +142,17 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # The query and key heads side by side, `[T, heads + kv_heads, dim]`: one pass of
+        # each per-head operation serves both.
+        qk = qk.unflatten(-1, (-1, self.head_dim))
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(self.layer, q, k, v)
+            qk = normalize(qk, self.q_norm.eps)
+            qk[:, : self.num_heads] *= self.q_norm.weight
+            qk[:, self.num_heads :] *= self.k_norm.weight
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = backend.forward(self.layer, q, k, v.unflatten(-1, (-1, self.head_dim)))
         # Row-parallel: each rank's heads give a partial sum of the output; add them up.
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -160,8 +166,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # Row-parallel: each rank's intermediate channels give a partial sum; add them up.
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        # SiLU and the product in place: the projection's output is ours, and a fresh tensor
+        # this size would cost the CPU a page fault per 4 KiB. Row-parallel: each rank's
+        # intermediate channels give a partial sum; add them up.
+        return self.tp.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 
 
 class DecoderLayer(nn.Module):

@@ -3,11 +3,12 @@
 `ReferenceBackend` is checked against the formula itself, written out in float64: for each
 request, each new token and each head, softmax(q·k / sqrt(d)) over the keys at or before
 its position, times the values. `TorchBackend`, which attends decodes as sparse matrix
-products straight from the pool (float32 and float64) and everything else by gathering
-pages into a padded batch for SDPA, is then checked against `ReferenceBackend`. The
-engine-level tests compare whole models against transformers; these pin the backends
-down, including the paths (bfloat16 decodes, odd head groupings, page size 1) that the
-tiny models don't reach.
+products (straight from the pool in float32 and float64, from pages gathered into float32
+otherwise), fresh prompts causally over their own new keys, and prefills with cached keys
+by gathering pages into a padded batch for SDPA, is then checked against
+`ReferenceBackend`. The engine-level tests compare whole models against transformers;
+these pin the backends down, including the paths (bfloat16 decodes, odd head groupings,
+page size 1) that the tiny models don't reach.
 """
 
 import random
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoqwen.attention import AttentionBackend, ReferenceBackend
-from nanoqwen.attention_torch import PaddedGroup, SparseDecodeGroup, TorchBackend
+from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.batch import StepInputs, StepInputsBuilder
 from nanoqwen.kv_pool import KVPool
 
@@ -144,13 +145,20 @@ def test_torch_backend_matches_the_reference(
     torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize(
-    "dtype, decode_group", [(torch.float32, SparseDecodeGroup), (torch.bfloat16, PaddedGroup)]
-)
-def test_decodes_and_prefills_take_their_own_paths(dtype: torch.dtype, decode_group: type) -> None:
-    rows = [(30, 1), (0, 12), (5, 1), (17, 9), (0, 1)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_kind_of_request_takes_its_own_path(dtype: torch.dtype) -> None:
+    rows = [(30, 1), (0, 12), (5, 1), (17, 9), (0, 1), (0, 3)]
     backend, out, reference = attend_both(rows, (6, 2), 4, dtype, seed=0)
-    assert [type(group) for group in backend.groups] == [decode_group, PaddedGroup]
+    decodes, padded = backend.decodes, backend.padded
+    assert decodes is not None and padded is not None
+    assert decodes.query_rows.tolist() == [0, 13, 23]  # the one-token rows
+    # Low precision: the decodes' pages (8, 2 and 1 of them) are gathered, each once.
+    gathered = decodes.gathered_pages
+    assert (gathered is None) == (dtype == torch.float32)
+    if gathered is not None:
+        assert gathered.numel() == 8 + 2 + 1
+    assert backend.fresh_rows == [slice(1, 13), slice(24, 27)]  # nothing cached
+    assert padded.output_rows.tolist() == list(range(14, 23))  # 17 cached, 9 new
     torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
