@@ -553,7 +553,7 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
+        f"KV cache {settings['kv_cache_dtype']}, {settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
         f"scheduling, median of {settings['rounds']} round(s)"
     )
@@ -754,6 +754,7 @@ def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
+        "kv_cache_dtype": config.kv_cache_dtype,
         "threads": threads,  # in all; tensor-parallel ranks on a CPU share them
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
