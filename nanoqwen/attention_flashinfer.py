@@ -105,8 +105,8 @@ def warm_up_kernels(
     backend = FlashInferBackend(pool, heads, kv_heads, head_dim)
     for num_tokens in (2, 1):  # a prefill, then a decode
         builder = StepInputsBuilder(page_size)
-        builder.add_row([0] * num_tokens, 0, pages[: -(-num_tokens // page_size)], sample=False)
-        backend.plan(builder.build(device, []).metadata)
+        builder.add_row([0] * num_tokens, 0, pages[: -(-num_tokens // page_size)], 0)
+        backend.plan(builder.build(device, [], []).metadata)
         q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
         k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
         backend.forward(0, q, k, v)

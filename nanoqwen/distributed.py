@@ -189,6 +189,10 @@ def starting(workers: Workers | None) -> Iterator[None]:
 
 
 def describe_exit(rank: int, process: BaseProcess, pipe: Connection) -> str:
+    # If another thread joining it has just reaped it, its exit code shows up a moment later.
+    deadline = time.monotonic() + 1.0
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     code = process.exitcode or 0
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     with suppress(EOFError, OSError):

@@ -1,6 +1,7 @@
 """Speculative decoding: greedy output unchanged, sampled output distributed as the target's,
 rejected drafts rolled back, pages and both models' KV consistent after every step."""
 
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -48,16 +49,31 @@ def tree_sequences(engine: LLMEngine) -> list[list[int]]:
     return sequences
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
-    """Serve `prompts`, checking the invariants after every step."""
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+def run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    priorities: list[int] | None = None,
+    arrivals: list[int] | None = None,
+) -> list:
+    """Serve `prompts`, each added before engine step `arrivals[i]` (default: all at once)
+    with `priorities[i]`, checking the invariants after every step."""
+    priorities = priorities or [0] * len(prompts)
+    arrivals = arrivals or [0] * len(prompts)
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i], reverse=True)
+    ids: dict[int, str] = {}
     final = {}
-    while engine.has_unfinished_requests():
+    for step in itertools.count():
+        while pending and arrivals[pending[-1]] <= step:
+            i = pending.pop()
+            ids[i] = engine.add_request(prompts[i], params[i], priority=priorities[i])
+        if not pending and not engine.has_unfinished_requests():
+            break
         for output in engine.step():
             if output.finished:
                 final[output.request_id] = output
         check_speculation_invariants(engine)
-    outputs = [final[i] for i in ids]
+    outputs = [final[ids[i]] for i in range(len(prompts))]
     if engine.cache is not None:  # the cache holds only prefixes of real, accepted text
         texts = [o.prompt_token_ids + o.token_ids for o in outputs]
         for sequence in tree_sequences(engine):
@@ -98,8 +114,13 @@ def workloads(draw: st.DrawFn) -> dict:
     max_tokens = [draw(st.integers(1, 30)) for _ in prompts]
     needed_alone = max(-(-(len(p) + m) // page_size) for p, m in zip(prompts, max_tokens))
     ngram_min = draw(st.integers(1, 3))
+    # Under the priority policy, urgent late arrivals preempt running requests for seats
+    # and pages, so drafts are rolled back around preemptions of that kind too.
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
     return {
         "prompts": prompts,
+        "priorities": [draw(st.integers(-2, 2)) if policy == "priority" else 0 for _ in prompts],
+        "arrivals": [draw(st.sampled_from([0, 0, 3, 10])) for _ in prompts],
         "params": [
             SamplingParams(
                 temperature=0, max_tokens=m, ignore_eos=True, **draw(st.sampled_from(PENALTIES))
@@ -116,6 +137,9 @@ def workloads(draw: st.DrawFn) -> dict:
             "num_speculative_tokens": draw(st.integers(1, 6)),
             "ngram_min": ngram_min,
             "ngram_max": draw(st.integers(ngram_min, 4)),
+            "scheduling_policy": policy,
+            "max_num_seqs": draw(st.sampled_from([2, 256])),
+            "priority_aging_steps": draw(st.sampled_from([0, 4])),
         },
     }
 
@@ -129,7 +153,8 @@ def test_ngram_greedy_output_is_unchanged(
 ) -> None:
     expected = references[model_dir].generate(workload["prompts"], workload["params"])
     engine = LLMEngine(model_dir, speculative="ngram", **workload["options"])
-    outputs = run(engine, workload["prompts"], workload["params"])
+    outputs = run(engine, workload["prompts"], workload["params"], workload["priorities"],
+                  workload["arrivals"])
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected]
 
@@ -147,7 +172,8 @@ def test_draft_model_greedy_output_is_unchanged_for_any_workload(
     other = qwen3_dir if model_dir == qwen2_dir else qwen2_dir
     options = {k: v for k, v in workload["options"].items() if not k.startswith("ngram")}
     engine = LLMEngine(model_dir, draft_model=model_dir if self_drafted else other, **options)
-    outputs = run(engine, workload["prompts"], workload["params"])
+    outputs = run(engine, workload["prompts"], workload["params"], workload["priorities"],
+                  workload["arrivals"])
     expected = references[model_dir].generate(workload["prompts"], workload["params"])
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
 
@@ -169,6 +195,25 @@ def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LL
     )
     # Fewer steps than tokens: some steps gave a request several.
     assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outputs)
+
+
+def test_ngram_speculation_under_priority_preemption(
+    qwen3_dir: str, references: dict[str, LLM]
+) -> None:
+    """An urgent late arrival takes the only seat from a request that is speculating: the
+    preempted request's drafts are dropped with its pages, and both answers are unchanged."""
+    prompts = [repetitive_prompt([11, 12, 13], 40), random_prompts(VOCAB, [12], seed=5)[0]]
+    params = [greedy(30), greedy(8)]
+    engine = LLMEngine(
+        qwen3_dir, speculative="ngram", scheduling_policy="priority", max_num_seqs=1,
+        page_size=4, num_pages=40,
+    )
+    outputs = run(engine, prompts, params, priorities=[1, 0], arrivals=[0, 6])
+    expected = references[qwen3_dir].generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    stats = engine.stats()
+    assert stats["preemptions_by_cause"]["max_num_seqs"] >= 1
+    assert stats["spec_accepted_tokens"] > 0
 
 
 # --------------------------------------------------------------------------- draft model
