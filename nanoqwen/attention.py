@@ -143,7 +143,8 @@ class ReferenceBackend(AttentionBackend):
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
         out = torch.empty_like(q)
         for rows, pages, kv_len in self.requests:
-            keys = self.pool.gather(layer, 0, pages).flatten(0, 1)[:kv_len]  # [kv_len, kv_heads, dim]
+            # [kv_len, kv_heads, dim]
+            keys = self.pool.gather(layer, 0, pages).flatten(0, 1)[:kv_len]
             values = self.pool.gather(layer, 1, pages).flatten(0, 1)[:kv_len]
             queries = q[rows]  # [q_len, heads, dim]
             q_positions = torch.arange(kv_len - len(queries), kv_len, device=q.device)

@@ -164,7 +164,9 @@ def make_engine(model_dir: str, kv_cache_dtype: str, **options: object) -> LLMEn
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_same_memory_holds_more_pages(qwen3_dir: str, name: str, dtype: str) -> None:
     memory = 400_000
-    engines = {kv: make_engine(qwen3_dir, kv, dtype=dtype, kv_cache_memory=memory) for kv in ("auto", name)}
+    engines = {
+        kv: make_engine(qwen3_dir, kv, dtype=dtype, kv_cache_memory=memory) for kv in ("auto", name)
+    }
     shape = engines["auto"].runner.model_config
     # Per token and KV head, in both K and V of every layer: head_dim numbers in the model's
     # dtype, or head_dim bytes and a 4-byte scale.
