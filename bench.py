@@ -96,6 +96,7 @@ SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
 URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
 # What the priority scenario compares, in the order it runs them.
 COMPARED_POLICIES = ("fcfs", "priority")
+MIB = 2**20
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -622,43 +623,58 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
 def _speculation_table(result: Metrics) -> Table:
     settings = result["settings"]
     method, num_tokens = settings["speculative"], settings["num_speculative_tokens"]
-    table = Table(title=f"Speculative decoding: {method}, {num_tokens} tokens per request")
-    table.add_column("metric")
-    for column in ("speculative", "plain"):
-        table.add_column(column, justify="right")
     spec, plain = result["nanoqwen"], result["no_speculation"]
-    for label, key, fmt in (
+    rows = _side_by_side(spec, plain, (
         ("output tok/s", "output_tok_s", "{:.1f}"),
         ("wall time (s)", "wall_s", "{:.2f}"),
         ("steps", "steps", "{}"),
         ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
-    ):
-        table.add_row(label, fmt.format(spec[key]), fmt.format(plain[key]))
+    ))
     figures = spec["speculation"]
     proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
-    table.add_row("draft tokens proposed / accepted", proposed_accepted, "")
-    table.add_row("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", "")
-    table.add_row("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", "")
-    table.add_row("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", "")
-    return table
+    rows += [
+        ("draft tokens proposed / accepted", proposed_accepted, ""),
+        ("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", ""),
+        ("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", ""),
+        ("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", ""),
+    ]
+    title = f"Speculative decoding: {method}, {num_tokens} tokens per request"
+    return _comparison_table(title, ("speculative", "plain"), rows)
 
 
 def _quantization_table(result: Metrics) -> Table:
     settings = result["settings"]
-    weights, kv_cache = settings["quantization"], settings["kv_cache_dtype"]
-    table = Table(title=f"Quantization: weights {weights}, KV cache {kv_cache}")
-    table.add_column("metric")
-    for column in ("quantized", "full precision"):
-        table.add_column(column, justify="right")
     quantized, full = result["nanoqwen"], result["full_precision"]
-    for label, text in (
-        ("weight memory (MiB)", lambda figures: f"{figures['weight_bytes'] / 2**20:.1f}"),
-        ("KV pages", lambda figures: str(figures["kv_pages_total"])),
-        ("output tok/s", lambda figures: f"{figures['output_tok_s']:.1f}"),
-    ):
-        table.add_row(label, text(quantized), text(full))
-    table.add_row("tokens before the first difference", f"{quantized['agreement']:.1%}", "")
-    table.add_row("speedup (median of rounds)", f"{result['quantization_speedup']:.2f}x", "")
+    rows = [
+        ("weight memory (MiB)", *(f"{run['weight_bytes'] / MIB:.1f}" for run in (quantized, full))),
+        *_side_by_side(quantized, full, (
+            ("KV pages", "kv_pages_total", "{}"),
+            ("output tok/s", "output_tok_s", "{:.1f}"),
+        )),
+        ("tokens before the first difference", f"{quantized['agreement']:.1%}", ""),
+        ("speedup (median of rounds)", f"{result['quantization_speedup']:.2f}x", ""),
+    ]
+    weights, kv_cache = settings["quantization"], settings["kv_cache_dtype"]
+    title = f"Quantization: weights {weights}, KV cache {kv_cache}"
+    return _comparison_table(title, ("quantized", "full precision"), rows)
+
+
+def _side_by_side(
+    ours: Metrics, theirs: Metrics, figures: Sequence[tuple[str, str, str]]
+) -> list[tuple[str, str, str]]:
+    """Rows of (label, our figure, theirs) for each (label, key, format) of `figures`."""
+    return [(label, fmt.format(ours[key]), fmt.format(theirs[key])) for label, key, fmt in figures]
+
+
+def _comparison_table(
+    title: str, columns: tuple[str, str], rows: list[tuple[str, str, str]]
+) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
