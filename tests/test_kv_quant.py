@@ -228,6 +228,15 @@ def test_greedy_output_agrees_with_full_precision_except_at_near_ties(
     assert agreed >= 0.75 * len(prompts) * NEW_TOKENS
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_quantized_kv_cache_runs_on_the_torch_backend(qwen3_dir: str) -> None:
+    engine = make_engine(qwen3_dir, "fp8_e4m3", device="cuda", num_pages=40)
+    assert isinstance(engine.runner.backend, TorchBackend)
+    assert engine.pool.kv.dtype == torch.float8_e4m3fn and engine.pool.kv.is_cuda
+    outputs = greedy_outputs(engine, random_prompts(800, PROMPT_LENGTHS, seed=3))
+    assert all(len(tokens) == NEW_TOKENS for tokens in outputs)
+
+
 # ----------------------------------------------------------------- errors and options
 @pytest.mark.parametrize("value", ["fp16", "int4", "", None])
 def test_an_unknown_kv_cache_dtype_is_refused(qwen3_dir: str, value: object) -> None:
