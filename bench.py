@@ -45,6 +45,12 @@ twice, with speculation and without (which goes first alternates), and reports t
 request per step, the acceptance rate, the mean accepted length and the speedup of the
 first over the second.
 
+With `--quantization int8|int4` (or a quantized checkpoint's own) or `--kv-cache-dtype
+int8|fp8_e4m3`, every round also runs at full precision (weights and KV cache in
+`--dtype`), alternating which goes first, and reports side by side the weight memory, the
+KV pages, the speed, and how many output tokens come before each request's first
+difference from the full-precision output (greedy agreement, with `--temperature 0`).
+
 `--floor` replays, right after each round, the token schedule the engine just ran through
 the model's dense layers alone (`bench_floor.py`): `floor_ratio` is the engine's wall time
 over that floor, and the time above it is split into attention, norms + rope +
@@ -81,7 +87,8 @@ from bench_floor import SPLIT, FloorRecorder, measure_floor
 from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
-from nanoqwen.loader import resolve_model_path
+from nanoqwen.loader import resolve_model_path, runtime_quantization
+from nanoqwen.quantization import weight_memory_bytes
 from nanoqwen.speculative import SpeculationStats
 
 SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
@@ -89,6 +96,7 @@ SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
 URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
 # What the priority scenario compares, in the order it runs them.
 COMPARED_POLICIES = ("fcfs", "priority")
+MIB = 2**20
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -260,6 +268,9 @@ class EngineRun:
     preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
     speculation: SpeculationStats
+    weight_bytes: int
+    # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
+    outputs: dict[tuple[int, int], list[int]]
     floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
 
 
@@ -272,6 +283,7 @@ class SessionDriver:
         self.sessions = sessions
         self.temperature = temperature
         self.records: dict[str, RequestTiming] = {}
+        self.outputs: dict[tuple[int, int], list[int]] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
         # Conversations not started yet, the next to arrive last.
         self.pending = sorted(
@@ -295,6 +307,7 @@ class SessionDriver:
         if output.finished:
             record.finished = now
             session, turn = self._position[output.request_id]
+            self.outputs[session, turn] = list(output.token_ids)
             if turn + 1 < len(self.sessions[session]):
                 history = record.prompt_token_ids + output.token_ids
                 self._submit(session, turn + 1, history, steps)
@@ -364,6 +377,8 @@ def run_engine(
             after[f"spec_{key}"] - before[f"spec_{key}"]
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
         )),
+        weight_bytes=weight_memory_bytes(engine.runner.model),
+        outputs=driver.outputs,
     )
 
 
@@ -486,9 +501,21 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "steps": run.steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
         "speculation": run.speculation.as_dict(),
+        "weight_bytes": run.weight_bytes,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
     }
 
+
+
+def agreement(run: EngineRun, reference: EngineRun) -> float:
+    """The share of `reference`'s output tokens that `run` matched before each turn's
+    first difference: one tie broken the other way changes the rest of a greedy output."""
+    matched = total = 0
+    for position, expected in reference.outputs.items():
+        got = run.outputs[position]
+        matched += next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), len(expected))
+        total += len(expected)
+    return matched / max(total, 1)
 
 
 def phase_breakdown(phase_seconds: dict[str, float], steps: int, wall_s: float) -> Metrics:
@@ -553,7 +580,8 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"{settings['threads']} torch threads, {settings['tensor_parallel_size']} rank(s)), "
+        f"KV cache {settings['kv_cache_dtype']}, {settings['threads']} torch threads, "
+        f"{settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
         f"scheduling, median of {settings['rounds']} round(s)"
     )
@@ -562,6 +590,8 @@ def print_report(console: Console, result: Metrics) -> None:
     )
     if "no_speculation" in result:
         console.print(_speculation_table(result))
+    if "full_precision" in result:
+        console.print(_quantization_table(result))
     console.print(_phase_table(result["nanoqwen"]))
     if "policies" in result:
         console.print(_policy_table(result["policies"]))
@@ -593,24 +623,58 @@ def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | N
 def _speculation_table(result: Metrics) -> Table:
     settings = result["settings"]
     method, num_tokens = settings["speculative"], settings["num_speculative_tokens"]
-    table = Table(title=f"Speculative decoding: {method}, {num_tokens} tokens per request")
-    table.add_column("metric")
-    for column in ("speculative", "plain"):
-        table.add_column(column, justify="right")
     spec, plain = result["nanoqwen"], result["no_speculation"]
-    for label, key, fmt in (
+    rows = _side_by_side(spec, plain, (
         ("output tok/s", "output_tok_s", "{:.1f}"),
         ("wall time (s)", "wall_s", "{:.2f}"),
         ("steps", "steps", "{}"),
         ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
-    ):
-        table.add_row(label, fmt.format(spec[key]), fmt.format(plain[key]))
+    ))
     figures = spec["speculation"]
     proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
-    table.add_row("draft tokens proposed / accepted", proposed_accepted, "")
-    table.add_row("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", "")
-    table.add_row("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", "")
-    table.add_row("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", "")
+    rows += [
+        ("draft tokens proposed / accepted", proposed_accepted, ""),
+        ("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", ""),
+        ("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", ""),
+        ("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", ""),
+    ]
+    title = f"Speculative decoding: {method}, {num_tokens} tokens per request"
+    return _comparison_table(title, ("speculative", "plain"), rows)
+
+
+def _quantization_table(result: Metrics) -> Table:
+    settings = result["settings"]
+    quantized, full = result["nanoqwen"], result["full_precision"]
+    rows = [
+        ("weight memory (MiB)", *(f"{run['weight_bytes'] / MIB:.1f}" for run in (quantized, full))),
+        *_side_by_side(quantized, full, (
+            ("KV pages", "kv_pages_total", "{}"),
+            ("output tok/s", "output_tok_s", "{:.1f}"),
+        )),
+        ("tokens before the first difference", f"{quantized['agreement']:.1%}", ""),
+        ("speedup (median of rounds)", f"{result['quantization_speedup']:.2f}x", ""),
+    ]
+    weights, kv_cache = settings["quantization"], settings["kv_cache_dtype"]
+    title = f"Quantization: weights {weights}, KV cache {kv_cache}"
+    return _comparison_table(title, ("quantized", "full precision"), rows)
+
+
+def _side_by_side(
+    ours: Metrics, theirs: Metrics, figures: Sequence[tuple[str, str, str]]
+) -> list[tuple[str, str, str]]:
+    """Rows of (label, our figure, theirs) for each (label, key, format) of `figures`."""
+    return [(label, fmt.format(ours[key]), fmt.format(theirs[key])) for label, key, fmt in figures]
+
+
+def _comparison_table(
+    title: str, columns: tuple[str, str], rows: list[tuple[str, str, str]]
+) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -749,11 +813,40 @@ def measure_decode(
         raise click.ClickException(str(error)) from None
 
 
+def companion_options(
+    engine: LLMEngine, options: dict[str, Any]
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The runs every round adds for comparison, by their name in the result: what the
+    progress bar calls them, and their engine options (`options` is the engine's own)."""
+    config, companions = engine.config, {}
+    if config.speculative:
+        plain = {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
+        companions["no_speculation"] = ("without speculation", plain)
+    weights = runtime_quantization(config.quantization, engine.model_config)
+    if weights is not None or config.kv_cache_dtype != "auto":
+        full = {**options, "quantization": "none", "kv_cache_dtype": "auto"}
+        companions["full_precision"] = ("at full precision", full)
+    return companions
+
+
+def run_companions(
+    bench: Bench,
+    companions: dict[str, tuple[str, dict[str, Any]]],
+    runs: dict[str, list[EngineRun]],
+    index: int,
+) -> None:
+    for name, (label, options) in companions.items():
+        runs[name].append(bench.run(options, f"nanoqwen {label}, round {index + 1}")[0])
+
+
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
+    weights = runtime_quantization(config.quantization, engine.model_config)
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
+        "quantization": (weights.mode if weights is not None else "none"),
+        "kv_cache_dtype": config.kv_cache_dtype,
         "threads": threads,  # in all; tensor-parallel ranks on a CPU share them
         "max_num_seqs": config.max_num_seqs,
         "page_size": config.page_size,
@@ -786,6 +879,7 @@ def assemble_result(
     decode: Metrics | None,
     plain_rounds: list[Metrics] | None = None,
     floor_rounds: list[Metrics] | None = None,
+    full_precision_rounds: list[Metrics] | None = None,
 ) -> Metrics:
     """The figures of the last policy run are nanoqwen's (with more than one policy, each
     policy's median round is under "policies" too), and each comparison is the median of its
@@ -801,6 +895,7 @@ def assemble_result(
     for name, others, ratio_name in (
         ("transformers", baseline_rounds, "speedup"),
         ("no_speculation", plain_rounds, "speculation_speedup"),
+        ("full_precision", full_precision_rounds, "quantization_speedup"),
     ):
         if others is None:
             continue
@@ -925,13 +1020,7 @@ def main(
         with status_console.status("writing the copy prompts"):
             sessions = continue_prompts(engine, sessions)
     check_fits(engine, sessions, decode_batch)
-    # With speculation, every round also runs without it, for comparison.
-    plain_options = (
-        {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
-        | {"scheduling_policy": policies[-1]}
-        if engine.config.speculative
-        else None
-    )
+    companions = companion_options(engine, {**options, "scheduling_policy": policies[-1]})
     settings = {
         "model": model or f"random weights: {random_weights}",
         "model_dir": model_dir,
@@ -945,20 +1034,19 @@ def main(
     del engine
     free_memory()
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
-    plain_runs: list[EngineRun] = []
+    companion_runs: dict[str, list[EngineRun]] = {name: [] for name in companions}
     baseline_rounds: list[Metrics] = []
     decode = None
     with make_progress(status_console) as progress:
         bench = Bench(model_dir, token_ids, sessions, temperature, floor, progress, status_console)
         for index in range(rounds):
-            # Each round has a fresh engine per policy (and, with speculation, one without
-            # it) and a fresh transformers process, one after the other, so a machine that
-            # gets busier or quieter affects all alike. Without speculation: after the run
-            # with it in even rounds, before it in odd ones, so neither always goes first.
-            plain_description = f"nanoqwen without speculation, round {index + 1}"
-            plain_first = plain_options is not None and index % 2 == 1
-            if plain_first:
-                plain_runs.append(bench.run(plain_options, plain_description)[0])
+            # Each round has a fresh engine per policy (and one per companion: without
+            # speculation, at full precision) and a fresh transformers process, one after
+            # the other, so a machine that gets busier or quieter affects all alike. The
+            # companions run after the others in even rounds, before them in odd ones, so
+            # neither always goes first.
+            if index % 2 == 1:
+                run_companions(bench, companions, companion_runs, index)
             for policy in policies:
                 label = f", {policy}" if len(policies) > 1 else ""
                 last = index == rounds - 1 and policy == policies[-1]
@@ -970,8 +1058,8 @@ def main(
                 )
                 runs[policy].append(run)
                 decode = figures or decode
-            if plain_options is not None and not plain_first:
-                plain_runs.append(bench.run(plain_options, plain_description)[0])
+            if index % 2 == 0:
+                run_companions(bench, companions, companion_runs, index)
             if compare == "hf":
                 records = runs[policies[0]][0].records
                 requests = [(record.prompt_token_ids, record.output_len) for record in records]
@@ -981,10 +1069,19 @@ def main(
         policy: [summarize_engine_run(run) for run in policy_runs]
         for policy, policy_runs in runs.items()
     }
-    plain_rounds = [summarize_engine_run(run) for run in plain_runs] or None
+    companion_rounds = {
+        name: [summarize_engine_run(run) for run in companion]
+        for name, companion in companion_runs.items()
+    }
+    for figures, run, full in zip(
+        rounds_by_policy[policies[-1]], runs[policies[-1]], companion_runs.get("full_precision", [])
+    ):
+        figures["agreement"] = agreement(run, full)
     floor_rounds = [run.floor for run in runs[policies[-1]] if run.floor is not None] or None
     result = assemble_result(
-        settings, rounds_by_policy, baseline_rounds or None, decode, plain_rounds, floor_rounds
+        settings, rounds_by_policy, baseline_rounds or None, decode,
+        companion_rounds.get("no_speculation"), floor_rounds,
+        companion_rounds.get("full_precision"),
     )
     print_report(console, result)
     if json_path is not None:

@@ -98,10 +98,8 @@ class AttentionBackend(ABC):
         """q `[T, heads, dim]`, k and v `[T, kv_heads, dim]` → output `[T, heads, dim]`."""
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store this step's keys and values in their pool slots."""
-        k_cache, v_cache = self.pool.layer_cache(layer)
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        """Store this step's keys and values in their pool slots (quantized, if it is)."""
+        self.pool.write(layer, k, v, slots)
 
     def bind_graph_buffers(
         self,
@@ -120,7 +118,8 @@ class ReferenceBackend(AttentionBackend):
     For each request: read its pages into one contiguous `[kv_len, kv_heads, dim]` block,
     and let its new queries attend causally over it with SDPA. Query `j` of a request with
     `q_len` new tokens sits at position `kv_len - q_len + j`, so it sees keys `0..` that
-    position. Simple and exact; a loop in Python per request, and a copy of every key.
+    position. Simple and exact; a loop in Python per request, and a copy of every key
+    (dequantized, from a quantized pool).
     """
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -142,11 +141,11 @@ class ReferenceBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
-        k_cache, v_cache = self.pool.layer_cache(layer)
         out = torch.empty_like(q)
         for rows, pages, kv_len in self.requests:
-            keys = k_cache[pages].flatten(0, 1)[:kv_len]  # [kv_len, kv_heads, dim]
-            values = v_cache[pages].flatten(0, 1)[:kv_len]
+            # [kv_len, kv_heads, dim]
+            keys = self.pool.gather(layer, 0, pages).flatten(0, 1)[:kv_len]
+            values = self.pool.gather(layer, 1, pages).flatten(0, 1)[:kv_len]
             queries = q[rows]  # [q_len, heads, dim]
             q_positions = torch.arange(kv_len - len(queries), kv_len, device=q.device)
             causal = torch.arange(kv_len, device=q.device) <= q_positions[:, None]

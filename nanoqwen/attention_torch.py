@@ -19,6 +19,11 @@ own way:
   continuing a chunk or a prefix-cache hit). Their pages are gathered into a reused
   workspace and one SDPA call attends them all with a mask.
 
+A quantized pool (`kv_cache_dtype` int8 or fp8, see `kv_pool.py`) has no sparse product
+in its storage type, so its decodes join the padded group: their pages are gathered and
+dequantized like a continuing prefill's. Fresh prompts still attend their own keys as
+computed, which are at hand before they are quantized.
+
 The workspaces only grow: allocating tens of megabytes afresh per layer would make the
 CPU's allocator map and fault in new memory every time, which costs more than the copy.
 
@@ -92,10 +97,10 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
-        self.gathers_keys = pool.kv.dtype not in SPARSE_DTYPES
-        # Gathered pages: in the pool's dtype, and for decodes' keys in float32.
-        self.key_workspace = self.value_workspace = pool.kv.new_empty(0)
-        self.float_key_workspace = pool.kv.new_empty(0).float()
+        self.gathers_keys = pool.dtype not in SPARSE_DTYPES
+        # Gathered pages: in the dtype attention computes in, and for decodes' keys in float32.
+        self.key_workspace = self.value_workspace = pool.kv.new_empty(0, dtype=pool.dtype)
+        self.float_key_workspace = pool.kv.new_empty(0, dtype=torch.float32)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
@@ -104,7 +109,9 @@ class TorchBackend(AttentionBackend):
         kv_indptr = metadata.on_host("kv_indptr")
         q_lens = _lengths(qo_indptr)
         kv_lens = (_lengths(kv_indptr) - 1) * page_size + metadata.on_host("kv_last_page_len")
-        is_decode, is_fresh = q_lens == 1, (q_lens > 1) & (q_lens == kv_lens)
+        is_fresh = (q_lens > 1) & (q_lens == kv_lens)
+        # Decodes read a quantized pool through the padded group's dequantizing gather.
+        is_decode = (q_lens == 1) & (not self.pool.is_quantized)
         continuing = ~is_decode & ~is_fresh
         q_starts = qo_indptr[:-1]
         self.fresh_rows = [
@@ -125,10 +132,10 @@ class TorchBackend(AttentionBackend):
     def _reserve_workspaces(self, num_pages: int) -> None:
         page_shape = self.pool.layer_cache(0)[0].shape[1:]
         if self.key_workspace.shape[0] < num_pages:
-            self.key_workspace = self.pool.kv.new_empty(num_pages, *page_shape)
+            self.key_workspace = self.key_workspace.new_empty(num_pages, *page_shape)
             self.value_workspace = torch.empty_like(self.key_workspace)
         if self.gathers_keys and self.float_key_workspace.shape[0] < num_pages:
-            self.float_key_workspace = self.pool.kv.new_empty(num_pages, *page_shape).float()
+            self.float_key_workspace = self.float_key_workspace.new_empty(num_pages, *page_shape)
 
     def _plan_sparse(
         self, metadata: AttentionMetadata, decodes: torch.Tensor, kv_lens: torch.Tensor
@@ -174,7 +181,7 @@ class TorchBackend(AttentionBackend):
         row_lengths = kv_lens.repeat_interleave(self.num_heads)
         crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
         num_rows = crow.numel() - 1
-        dtype = torch.float32 if self.gathers_keys else self.pool.kv.dtype
+        dtype = torch.float32 if self.gathers_keys else self.pool.dtype
         num_key_rows = num_key_pages * page_size * self.num_kv_heads
         return SparseDecodeGroup(
             query_rows=metadata.qo_indptr[:-1][rows].long(),
@@ -231,10 +238,9 @@ class TorchBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
-        k_cache, v_cache = self.pool.layer_cache(layer)
         out = torch.empty_like(q)
         if self.decodes is not None:
-            self._attend_sparse(self.decodes, q, k_cache, v_cache, out)
+            self._attend_sparse(self.decodes, layer, q, out)
         for rows in self.fresh_rows:
             # Nothing cached: the prompt's keys are this step's, and top-left causal
             # alignment is its own positions.
@@ -245,20 +251,19 @@ class TorchBackend(AttentionBackend):
             )
             out[rows] = attended[0].transpose(0, 1)
         if self.padded is not None:
-            self._attend_padded(self.padded, q, k_cache, v_cache, out)
+            self._attend_padded(self.padded, layer, q, out)
         return out
 
     def _attend_sparse(
         self,
         group: SparseDecodeGroup,
+        layer: int,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        keys = k_cache
+        keys, v_cache = self.pool.layer_cache(layer)
         if group.gathered_pages is not None:
-            gathered = _gather_pages(k_cache, group.gathered_pages, self.key_workspace)
+            gathered = self.pool.gather(layer, 0, group.gathered_pages, self.key_workspace)
             keys = self.float_key_workspace[: gathered.shape[0]].copy_(gathered)  # exact
         keys = keys.view(-1, self.head_dim)
         queries = q.index_select(0, group.query_rows).view(-1, self.head_dim)  # [B*heads, D]
@@ -286,17 +291,16 @@ class TorchBackend(AttentionBackend):
     def _attend_padded(
         self,
         group: PaddedGroup,
+        layer: int,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        batch = group.kv_pages.shape[0]
+        batch, pages = group.kv_pages.shape[0], group.kv_pages.flatten()
         # [B * P, page_size, kv_heads, D] → [B, kv_heads, P * page_size, D]
-        keys = _gather_pages(k_cache, group.kv_pages.flatten(), self.key_workspace)
-        keys = keys.view(batch, -1, *k_cache.shape[2:]).transpose(1, 2)
-        values = _gather_pages(v_cache, group.kv_pages.flatten(), self.value_workspace)
-        values = values.view(batch, -1, *v_cache.shape[2:]).transpose(1, 2)
+        keys = self.pool.gather(layer, 0, pages, self.key_workspace)
+        keys = keys.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = self.pool.gather(layer, 1, pages, self.value_workspace)
+        values = values.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=group.mask, enable_gqa=True
@@ -332,12 +336,6 @@ def _csr_matrix(
         # torch warns, once per process, that its sparse CSR support is in beta.
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
         return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
-
-
-def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
-    """Pages `[n]` of a `[num_pages, page_size, kv_heads, D]` cache, copied into the front
-    of `workspace`; each page is one contiguous block, so this is one block copy per page."""
-    return torch.index_select(cache, 0, pages, out=workspace[: pages.numel()])
 
 
 def _lengths(indptr: torch.Tensor) -> torch.Tensor:

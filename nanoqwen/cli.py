@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 
 from nanoqwen.config import (
-    ATTENTION_BACKEND_NAMES, DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES,
+    ATTENTION_BACKEND_NAMES, DTYPES, KV_CACHE_DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES,
     SPECULATIVE_METHODS, EngineConfig,
 )
 from nanoqwen.runner import CPU_KV_CACHE_FRACTION
@@ -55,6 +55,10 @@ ENGINE_OPTIONS = [
     click.option("--quantization", default=None, type=click.Choice(QUANTIZATION_MODES),
                  help="Keep linear weights as int8 or int4 in memory (none: in --dtype). "
                  "Default: as the checkpoint has them (GPTQ, AWQ, GGUF), else none."),
+    click.option("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
+                 type=click.Choice(list(KV_CACHE_DTYPES)),
+                 help="KV-cache storage: auto (--dtype), or int8 / fp8_e4m3 with a scale per "
+                      "token and head (about twice the pages of bfloat16; torch attention)."),
     click.option("--tensor-parallel-size", "-tp", default=engine_default("tensor_parallel_size"),
                  type=click.IntRange(min=1),
                  help="Split the model across this many GPUs (or CPU processes)."),
@@ -86,7 +90,7 @@ SPECULATIVE_OPTION_NAMES = (
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
-    "quantization", "tensor_parallel_size", "scheduling_policy", "priority_aging_steps",
+    "quantization", "kv_cache_dtype", "tensor_parallel_size", "scheduling_policy", "priority_aging_steps",
     *SPECULATIVE_OPTION_NAMES,
 )
 

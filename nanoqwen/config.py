@@ -38,6 +38,9 @@ DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+# How KV-cache pages are stored: "auto" in the model's dtype, else one byte per number
+# with a scale per (token, KV head) beside it (kv_pool.py).
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 # How linear weights are kept in memory: as the dtype ("none"), or as 8/4-bit integers.
 QUANTIZATION_MODES = ("none", "int8", "int4")
 # GGML's 4- and 5-bit types give every 32 weights (a block or sub-block) their own scale.
@@ -103,6 +106,9 @@ class EngineConfig:
     # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
     # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
     quantization: str | None = None
+    # "fp8_e4m3" or "int8" stores the KV cache in one byte per number (about twice the
+    # pages of bfloat16 for the same memory); "auto" stores it in `dtype`.
+    kv_cache_dtype: str = "auto"
     # Ranks (GPUs, or CPU processes) the model is split across (`parallel.py`).
     tensor_parallel_size: int = 1
     # Speculative decoding (speculative.py): "ngram" guesses from the request's own text,
@@ -147,10 +153,28 @@ class EngineConfig:
                 f"unknown quantization {self.quantization!r}: use one of "
                 + ", ".join(QUANTIZATION_MODES)
             )
+        self._check_kv_cache_dtype()
         if self.chunk_size is None:
             # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
             self.chunk_size = 8192 if self.device.type == "cuda" else 512
         self._check_speculative()
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the torch and reference "
+                "attention backends, not flashinfer: use attention_backend='torch'"
+            )
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The dtype KV-cache pages are stored in."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     def _check_speculative(self) -> None:
         if self.speculative is None and self.draft_model is not None:

@@ -278,7 +278,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.kv.nbytes * self.config.tensor_parallel_size,  # every rank's
+            "kv_cache_bytes": pool.nbytes * self.config.tensor_parallel_size,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,

@@ -19,6 +19,14 @@ The pool also counts the pages whose only holder is the prefix cache ("cached" p
 the evictable ones), updating the count as references come and go, so that reading it
 costs nothing however large the cache grows.
 
+A *quantized* pool (`kv_cache_dtype` "int8" or "fp8_e4m3") stores every key and value
+vector in one byte per number, with a float32 scale per (token, KV head) kept beside the
+pages in `scales[layer, 0 or 1, page, slot, kv_head]`: the vector is about `code * scale`.
+The scale maps the vector's largest magnitude to the code type's largest value, so each
+vector keeps its own range. `write` quantizes as the keys and values are stored, `gather`
+dequantizes the pages attention reads; a page costs a bit over a quarter of its float32
+bytes (half its bfloat16 ones), so the same memory holds about four (two) times the pages.
+
 Invariant: a page is in the free list exactly when its reference count is 0.
 """
 
@@ -27,6 +35,9 @@ from __future__ import annotations
 import torch
 
 SCRATCH_PAGE = 0
+# The one-byte storage types of a quantized pool, and the largest magnitude each holds.
+QUANTIZED_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
+SCALE_DTYPE = torch.float32
 
 
 class KVPool:
@@ -39,13 +50,17 @@ class KVPool:
         num_pages: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage_dtype: torch.dtype | None = None,  # int8 or float8_e4m3fn: quantized
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv = torch.zeros(
-            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        self.dtype = dtype  # what attention reads and writes
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads)
+        self.kv = torch.zeros(*shape, head_dim, dtype=storage_dtype or dtype, device=device)
+        self.scales = (
+            torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if self.is_quantized else None
         )
         self.ref_counts = [0] * num_pages
         self.in_cache = [False] * num_pages  # does the prefix cache hold a reference?
@@ -57,7 +72,17 @@ class KVPool:
     def bytes_per_page(
         num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
     ) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes of one page stored in `dtype`, its scales included when it is quantized."""
+        scale_bytes = SCALE_DTYPE.itemsize if dtype in QUANTIZED_DTYPES else 0
+        return 2 * num_layers * page_size * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv.dtype in QUANTIZED_DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @property
     def num_usable_pages(self) -> int:
@@ -70,6 +95,31 @@ class KVPool:
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V caches, each `[num_pages, page_size, kv_heads, head_dim]`."""
         return self.kv[layer, 0], self.kv[layer, 1]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store keys and values `[T, kv_heads, dim]` in the flat pool slots `slots` `[T]`."""
+        for kind, vectors in enumerate((k, v)):
+            cache = self.kv[layer, kind].flatten(0, 1)  # [num_slots, kv_heads, dim]
+            if self.scales is None:
+                cache.index_copy_(0, slots, vectors)
+            else:
+                codes, scales = quantize(vectors, self.kv.dtype)
+                # As raw bytes: the CPU has no index_copy_ for float8.
+                cache.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+                self.scales[layer, kind].flatten(0, 1).index_copy_(0, slots, scales)
+
+    def gather(
+        self, layer: int, kind: int, pages: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Pages `[n]` of this layer's keys (`kind` 0) or values (1), `[n, page_size,
+        kv_heads, dim]` in `self.dtype`: written into the front of `out` when given."""
+        cache = self.kv[layer, kind]
+        if out is not None:
+            out = out[: pages.numel()]
+        if self.scales is None:
+            return torch.index_select(cache, 0, pages, out=out)
+        values = dequantize(cache[pages], self.scales[layer, kind][pages], self.dtype)
+        return values if out is None else out.copy_(values)
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` free pages, each with one holder (the caller)."""
@@ -119,3 +169,19 @@ class KVPool:
             self.num_cache_only_pages += 1  # the last request let go of a cached page
         elif self.ref_counts[page] == 0:
             self.free_pages.append(page)
+
+
+def quantize(vectors: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors `[..., dim]` as codes in `dtype` and one float32 scale per vector `[...]`."""
+    largest = vectors.abs().amax(dim=-1).to(SCALE_DTYPE)
+    # An all-zero vector still gets a positive scale, so dividing by it stays finite.
+    scales = largest.clamp(min=torch.finfo(SCALE_DTYPE).tiny) / QUANTIZED_DTYPES[dtype]
+    scaled = vectors.to(SCALE_DTYPE) / scales[..., None]
+    if dtype == torch.int8:
+        scaled = scaled.round()  # float8 rounds to its nearest value by itself
+    return scaled.to(dtype), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The vectors `quantize` turned into `codes` and `scales`, in `dtype`."""
+    return (codes.to(SCALE_DTYPE) * scales[..., None]).to(dtype)

@@ -353,3 +353,41 @@ def test_random_checkpoint_is_built_once_and_loads(tmp_path: Path) -> None:
         [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)
     )
     assert len(output[0].token_ids) == 4
+
+
+def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir: str) -> None:
+    spec = workload()
+    options = [
+        "--quantization", "int8", "--kv-cache-dtype", "int8",
+        "--kv-cache-memory", "2000000", "--rounds", "2",
+    ]
+    process = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec), *options)
+    result = json.loads(process.stdout_json)
+    assert "nanoqwen at full precision, round 2" in process.stderr
+    settings = result["settings"]
+    assert (settings["quantization"], settings["kv_cache_dtype"]) == ("int8", "int8")
+    ours, full = result["rounds"]["nanoqwen"], result["rounds"]["full_precision"]
+    assert len(ours) == len(full) == 2
+    for quantized_round, full_round in zip(ours, full):
+        for key in ("requests", "input_tokens", "output_tokens"):
+            assert quantized_round[key] == full_round[key]
+        assert quantized_round["weight_bytes"] < full_round["weight_bytes"]
+        # The same 2 MB of KV cache: one byte and a shared scale per number instead of four.
+        assert quantized_round["kv_pages_total"] > 3 * full_round["kv_pages_total"]
+        assert 0.0 <= quantized_round["agreement"] <= 1.0
+    ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, full, strict=True)]
+    assert result["quantization_speedup"] == pytest.approx(sum(ratios) / 2)
+    assert "Quantization: weights int8, KV cache int8" in process.stdout
+
+
+def test_agreement_counts_tokens_before_each_first_difference() -> None:
+    def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
+        return bench.EngineRun(
+            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, weight_bytes=0, outputs=outputs
+        )
+
+    reference = run({(0, 0): [1, 2, 3, 4], (1, 0): [5, 6], (1, 1): [7, 8]})
+    other = run({(1, 1): [7, 8], (0, 0): [1, 2, 9, 4], (1, 0): [0, 6]})
+    # 2 of 4, 0 of 2 (a later match does not count), 2 of 2.
+    assert bench.agreement(other, reference) == 4 / 8
+    assert bench.agreement(reference, reference) == 1.0
