@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import fake_flashinfer
 from cuda_helpers import build_model_64
-from nanoqwen import LLMEngine, attention_flashinfer, runner as runner_module
+from nanoqwen import LLM, LLMEngine, attention_flashinfer, runner as runner_module
 from nanoqwen.attention import AttentionBackend, ReferenceBackend
 from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
 from nanoqwen.attention_torch import TorchBackend
@@ -276,6 +276,36 @@ def assert_agrees_except_at_near_ties(
             context = prompt + expected[:first_difference]
             assert top_two_margin(model_dir, context) < near_tie
     assert agreed >= min_agreement * len(prompts) * NEW_TOKENS
+
+
+# ----------------------------------------------------------------- tensor parallel, drafts
+def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> None:
+    """A scale belongs to one (token, KV head), so two ranks holding half the heads each
+    store what one device stores, and decode the same tokens."""
+    options = dict(kv_cache_dtype="int8", page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3)
+    prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
+    expected = [o.token_ids for o in LLM(qwen3_dir, **options).generate(prompts, greedy(8))]
+    split = LLM(qwen3_dir, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in split.generate(prompts, greedy(8))] == expected
+        stats = split.stats()
+        assert stats["kv_cache_bytes"] == 2 * split.engine.pool.nbytes  # both ranks' pools
+        assert stats["pages_used"] == 0
+    finally:
+        split.shutdown()
+
+
+def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -> None:
+    memory = 1 << 20
+    engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
+                         kv_cache_memory=memory)
+    target, draft = engine.runner.pool, engine.proposer.runner.pool
+    assert draft.kv.dtype == torch.int8 and draft.scales is not None
+    page_bytes = [pool.nbytes // pool.num_pages for pool in (target, draft)]
+    assert draft.num_pages == target.num_pages == memory // sum(page_bytes) + 1
+    prompts = random_prompts(800, PROMPT_LENGTHS[:3], seed=3)
+    plain = greedy_outputs(make_engine(qwen3_dir, "int8", kv_cache_memory=memory), prompts)
+    assert greedy_outputs(engine, prompts) == plain
 
 
 # ----------------------------------------------------------------- flashinfer's fp8 pages
