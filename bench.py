@@ -87,6 +87,7 @@ from bench_report import print_report
 from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
+from nanoqwen.gguf_checkpoint import from_pretrained_arguments
 from nanoqwen.loader import resolve_model_path, runtime_quantization
 from nanoqwen.quantization import weight_memory_bytes
 from nanoqwen.speculative import SpeculationStats
@@ -212,9 +213,10 @@ def longest_request(sessions: Sequence[Session]) -> int:
     return max(sum(len(t.new_token_ids) + t.output_len for t in session) for session in sessions)
 
 
-def prompt_token_ids(model_dir: str, model_vocab_size: int) -> list[int]:
+def prompt_token_ids(model_path: str, model_vocab_size: int) -> list[int]:
     """Ids a random prompt may use: the tokenizer's ordinary tokens, never a special one."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    location, gguf_file = from_pretrained_arguments(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(location, **gguf_file)
     excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     upper = min(tokenizer.vocab_size, model_vocab_size)
     return [token_id for token_id in range(upper) if token_id not in excluded]

@@ -23,6 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as transformers_logging
 
+from nanoqwen.gguf_checkpoint import from_pretrained_arguments, read_gguf_config
+
 # Left padding fills a batch's shorter prompts; any id will do, the attention mask hides it.
 LEFT_PAD_TOKEN_ID = 0
 
@@ -80,7 +82,13 @@ def _worker_batch_seconds(
 @functools.cache
 def _load(model_dir: str, dtype: str, device: str) -> torch.nn.Module:
     """Loaded once per worker process, then reused by every batch."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    location, gguf_file = from_pretrained_arguments(model_dir)
+    # A GGUF file is dequantized, with the config nanoqwen reads from it: transformers' own
+    # reading of a Qwen3 file misses its head_dim.
+    config = {"config": read_gguf_config(model_dir)[0]} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        location, **gguf_file, **config, dtype=getattr(torch, dtype)
+    )
     model = model.to(device).eval()
     _generate_seconds(model, [list(range(1, 9))], 2)  # warm-up
     return model

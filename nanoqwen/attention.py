@@ -81,6 +81,8 @@ class AttentionBackend(ABC):
     # Can a decode step's kernels be recorded in a CUDA graph? Only if `plan` writes the
     # step's page table into buffers that stay put (see `cuda_graph.py`).
     supports_cuda_graphs = False
+    # Does it read a quantized pool's scales per (token, KV head)? Else one per tensor.
+    per_vector_kv_scales = True
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.pool = pool

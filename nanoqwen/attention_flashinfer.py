@@ -12,6 +12,11 @@ on disk. So whether flashinfer can serve a model is only known once its kernels 
 `check_flashinfer` builds them at start-up, by planning and running each kind of step once
 on a tiny pool, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
 that won't load) the runner falls back to the torch backend, saying why.
+
+A KV cache in fp8 (`kv_cache_dtype="fp8_e4m3"`) is read by the same kernels, planned with
+`kv_data_type` fp8: they take one scale for all of a layer's keys and one for its values
+(`k_scale`, `v_scale` in `run`), so the pool is built without per-vector scales
+(`kv_pool.py`). flashinfer has no int8 KV kernels: an int8 cache runs on the torch backend.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from rich.console import Console
 from nanoqwen.attention import AttentionBackend, AttentionMetadata
 from nanoqwen.batch import StepInputsBuilder
 from nanoqwen.config import ModelConfig
-from nanoqwen.kv_pool import KVPool
+from nanoqwen.kv_pool import TENSOR_SCALE, KVPool
 
 logger = logging.getLogger(__name__)
 # Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
@@ -45,10 +50,15 @@ FLASHINFER_WORKSPACE_BYTES = 256 << 20
 TENSOR_CORE_MIN_GROUP_SIZE = 4
 
 
-def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why flashinfer cannot run a model of this head size and dtype, or None if it might."""
+def flashinfer_unsupported_reason(
+    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> str | None:
+    """Why flashinfer cannot run a model of this head size and dtype with KV pages stored
+    in `kv_dtype`, or None if it might."""
     if dtype not in FLASHINFER_DTYPES:
         return f"flashinfer runs float16 and bfloat16 only, not {dtype}"
+    if kv_dtype not in (dtype, torch.float8_e4m3fn):
+        return f"flashinfer reads KV pages in the model's dtype or fp8_e4m3, not {kv_dtype}"
     if head_dim not in FLASHINFER_HEAD_DIMS:
         supported = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
         return f"flashinfer has no kernels for head_dim {head_dim} (it supports {supported})"
@@ -65,20 +75,25 @@ def flashinfer_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | No
 
 
 def check_flashinfer(
-    model_config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device
+    model_config: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
 ) -> str | None:
-    """None once the kernels this model needs are built (or loaded from flashinfer's cache)
-    and have run on `device`; otherwise why flashinfer cannot serve the model here."""
+    """None once the kernels this model needs (with KV pages in `kv_dtype`) are built (or
+    loaded from flashinfer's cache) and have run on `device`; otherwise why flashinfer
+    cannot serve the model here."""
     if device.type != "cuda":
         return f"flashinfer needs a CUDA device, not {device}"
-    reason = flashinfer_unsupported_reason(model_config.head_dim, dtype)
+    reason = flashinfer_unsupported_reason(model_config.head_dim, dtype, kv_dtype)
     if reason is not None:
         return reason
     start = time.perf_counter()
     try:
         status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
         with console.status(status):
-            warm_up_kernels(model_config, page_size, dtype, device)
+            warm_up_kernels(model_config, page_size, dtype, kv_dtype, device)
     # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
     # flashinfer raises many kinds of errors, and each means it cannot serve this model.
     except Exception as error:
@@ -90,7 +105,11 @@ def check_flashinfer(
 
 
 def warm_up_kernels(
-    model_config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device
+    model_config: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """Plan and run a prefill and a decode of one request on a throwaway one-layer pool.
 
@@ -101,7 +120,10 @@ def warm_up_kernels(
     heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
     head_dim = model_config.head_dim
     pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
-    pool = KVPool(1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device)
+    pool = KVPool(
+        1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device,
+        storage_dtype=kv_dtype, per_vector_scales=FlashInferBackend.per_vector_kv_scales,
+    )
     backend = FlashInferBackend(pool, heads, kv_heads, head_dim)
     for num_tokens in (2, 1):  # a prefill, then a decode
         builder = StepInputsBuilder(page_size)
@@ -131,8 +153,10 @@ class FencedWrapper:
         self.wrapper.plan(*args, **kwargs)
         self.planned.record()
 
-    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.wrapper.run(q, kv_cache)
+    def run(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], **scales: float
+    ) -> torch.Tensor:
+        return self.wrapper.run(q, kv_cache, **scales)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -151,24 +175,31 @@ class FlashInferBackend(AttentionBackend):
 
     Every wrapper is a `FencedWrapper` with its own event, since each has its own staging
     buffer. All wrappers share one workspace buffer, allocated here. New keys and values
-    are stored with the same indexed copy into `slot_mapping` as the torch backend uses,
-    which a CUDA graph replays like any other kernel.
+    are stored with the same indexed copy into `slot_mapping` as the torch backend uses
+    (cast to fp8 first, for an fp8 pool), which a CUDA graph replays like any other kernel.
     """
 
     supports_cuda_graphs = True
+    per_vector_kv_scales = False
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
-        device, dtype = pool.kv.device, pool.kv.dtype
-        reason = flashinfer_unsupported_reason(head_dim, dtype)
+        device, dtype, kv_dtype = pool.kv.device, pool.dtype, pool.kv.dtype
+        reason = flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
         if reason is not None:
             raise ValueError(reason)
+        if pool.scales is not None:
+            raise ValueError("flashinfer takes one KV scale per tensor, not one per vector")
         import flashinfer
 
         # flashinfer requires the workspace to be zeroed before its first use.
         self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
-        self.data_types = {"q_data_type": dtype, "kv_data_type": dtype}
+        self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
+        # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
+        self.kv_scales = (
+            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if pool.is_quantized else {}
+        )
         self.prefill_wrapper = self._fenced(
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         )
@@ -226,4 +257,4 @@ class FlashInferBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
-        return self.wrapper.run(q, self.pool.layer_cache(layer))
+        return self.wrapper.run(q, self.pool.layer_cache(layer), **self.kv_scales)

@@ -57,8 +57,8 @@ ENGINE_OPTIONS = [
                  "Default: as the checkpoint has them (GPTQ, AWQ, GGUF), else none."),
     click.option("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
                  type=click.Choice(list(KV_CACHE_DTYPES)),
-                 help="KV-cache storage: auto (--dtype), or int8 / fp8_e4m3 with a scale per "
-                      "token and head (about twice the pages of bfloat16; torch attention)."),
+                 help="KV-cache storage: auto (--dtype), or int8 / fp8_e4m3 in one byte per "
+                      "number (about twice the pages of bfloat16; flashinfer reads fp8 only)."),
     click.option("--tensor-parallel-size", "-tp", default=engine_default("tensor_parallel_size"),
                  type=click.IntRange(min=1),
                  help="Split the model across this many GPUs (or CPU processes)."),

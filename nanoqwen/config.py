@@ -39,7 +39,7 @@ DTYPES = {
     "fp16": torch.float16,
 }
 # How KV-cache pages are stored: "auto" in the model's dtype, else one byte per number
-# with a scale per (token, KV head) beside it (kv_pool.py).
+# with a scale per (token, KV head) beside it, or per tensor on flashinfer (kv_pool.py).
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 # How linear weights are kept in memory: as the dtype ("none"), or as 8/4-bit integers.
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -165,10 +165,10 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "flashinfer":
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the torch and reference "
-                "attention backends, not flashinfer: use attention_backend='torch'"
+                "kv_cache_dtype='int8' runs on the torch and reference attention backends, "
+                "not flashinfer (which reads fp8_e4m3): use attention_backend='torch'"
             )
 
     @property

@@ -40,13 +40,22 @@ def is_gguf_file(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
+def from_pretrained_arguments(path: str) -> tuple[str, dict[str, str]]:
+    """What transformers' `from_pretrained` takes to read `path`: a checkpoint directory as
+    it is, a GGUF file as its directory and `gguf_file=` its name."""
+    if not is_gguf_file(path):
+        return path, {}
+    directory, name = os.path.split(os.path.abspath(path))
+    return directory, {"gguf_file": name}
+
+
 def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
     """The transformers config of a GGUF file, and how many bits its linear weights mostly have."""
     reader = open_gguf(path)
     architecture = gguf_architecture(reader, path)
-    directory, name = os.path.split(os.path.abspath(path))
+    directory, gguf_file = from_pretrained_arguments(path)
     try:
-        hf = AutoConfig.from_pretrained(directory, gguf_file=name)
+        hf = AutoConfig.from_pretrained(directory, **gguf_file)
     except Exception as error:  # transformers raises many kinds on odd metadata
         message = f"{path}: could not read the model config from its metadata: {error}"
         raise ValueError(message) from error
@@ -68,9 +77,9 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer and chat template stored in a GGUF file's metadata."""
     gguf_architecture(open_gguf(path), path)
-    directory, name = os.path.split(os.path.abspath(path))
+    directory, gguf_file = from_pretrained_arguments(path)
     try:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        return AutoTokenizer.from_pretrained(directory, **gguf_file)
     except Exception as error:  # transformers raises many kinds on odd metadata
         message = f"{path}: could not build the tokenizer from its metadata: {error}"
         raise ValueError(message) from error

@@ -26,6 +26,10 @@ The scale maps the vector's largest magnitude to the code type's largest value, 
 vector keeps its own range. `write` quantizes as the keys and values are stored, `gather`
 dequantizes the pages attention reads; a page costs a bit over a quarter of its float32
 bytes (half its bfloat16 ones), so the same memory holds about four (two) times the pages.
+flashinfer's kernels read fp8 pages themselves and take one scale per tensor instead (all
+of a layer's keys, all its values): such a pool (`per_vector_scales=False`) keeps no
+scales, and stores each number at scale 1, saturating at fp8's largest, ±448 (vLLM's
+default too when a checkpoint ships no calibrated scales).
 
 Invariant: a page is in the free list exactly when its reference count is 0.
 """
@@ -38,6 +42,8 @@ SCRATCH_PAGE = 0
 # The one-byte storage types of a quantized pool, and the largest magnitude each holds.
 QUANTIZED_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 SCALE_DTYPE = torch.float32
+# The scale of every number in a pool without per-vector scales (see above).
+TENSOR_SCALE = 1.0
 
 
 class KVPool:
@@ -51,16 +57,21 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         storage_dtype: torch.dtype | None = None,  # int8 or float8_e4m3fn: quantized
+        per_vector_scales: bool = True,  # else one scale per tensor, TENSOR_SCALE
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+        if storage_dtype == torch.int8 and not per_vector_scales:
+            raise ValueError("an int8 KV pool needs a scale per vector: integers at scale 1 lose all")
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype  # what attention reads and writes
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads)
         self.kv = torch.zeros(*shape, head_dim, dtype=storage_dtype or dtype, device=device)
         self.scales = (
-            torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if self.is_quantized else None
+            torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
+            if self.is_quantized and per_vector_scales
+            else None
         )
         self.ref_counts = [0] * num_pages
         self.in_cache = [False] * num_pages  # does the prefix cache hold a reference?
@@ -70,10 +81,16 @@ class KVPool:
 
     @staticmethod
     def bytes_per_page(
-        num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        per_vector_scales: bool = True,
     ) -> int:
         """Bytes of one page stored in `dtype`, its scales included when it is quantized."""
-        scale_bytes = SCALE_DTYPE.itemsize if dtype in QUANTIZED_DTYPES else 0
+        has_scales = dtype in QUANTIZED_DTYPES and per_vector_scales
+        scale_bytes = SCALE_DTYPE.itemsize if has_scales else 0
         return 2 * num_layers * page_size * num_kv_heads * (head_dim * dtype.itemsize + scale_bytes)
 
     @property
@@ -100,13 +117,16 @@ class KVPool:
         """Store keys and values `[T, kv_heads, dim]` in the flat pool slots `slots` `[T]`."""
         for kind, vectors in enumerate((k, v)):
             cache = self.kv[layer, kind].flatten(0, 1)  # [num_slots, kv_heads, dim]
-            if self.scales is None:
+            if not self.is_quantized:
                 cache.index_copy_(0, slots, vectors)
+                continue
+            if self.scales is None:
+                codes = vectors.to(self.kv.dtype)  # at TENSOR_SCALE, 1; torch's cast saturates
             else:
                 codes, scales = quantize(vectors, self.kv.dtype)
-                # As raw bytes: the CPU has no index_copy_ for float8.
-                cache.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
                 self.scales[layer, kind].flatten(0, 1).index_copy_(0, slots, scales)
+            # As raw bytes: the CPU has no index_copy_ for float8.
+            cache.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
 
     def gather(
         self, layer: int, kind: int, pages: torch.Tensor, out: torch.Tensor | None = None
@@ -116,9 +136,12 @@ class KVPool:
         cache = self.kv[layer, kind]
         if out is not None:
             out = out[: pages.numel()]
-        if self.scales is None:
+        if not self.is_quantized:
             return torch.index_select(cache, 0, pages, out=out)
-        values = dequantize(cache[pages], self.scales[layer, kind][pages], self.dtype)
+        if self.scales is None:
+            values = cache[pages].to(self.dtype)  # at TENSOR_SCALE, 1
+        else:
+            values = dequantize(cache[pages], self.scales[layer, kind][pages], self.dtype)
         return values if out is None else out.copy_(values)
 
     def allocate(self, count: int) -> list[int]:

@@ -8,8 +8,8 @@ The engine thinks in requests; the runner turns one step of them into tokens. It
   biggest step's activations and the graph pool (measured by `memory_profile.py`), or on
   a CPU a stated share of the available memory;
 * **the attention backend**: flashinfer on CUDA when its kernels build and run for the
-  model (and the KV cache is in the model's dtype), else the fast torch backend (`attention_backend` picks one by name; "reference"
-  is the textbook one);
+  model (and its KV cache dtype), else the fast torch backend (`attention_backend` picks
+  one by name; "reference" is the textbook one);
 * **the decode CUDA graphs** (`cuda_graph.py`), captured at start-up;
 * **the sampler**.
 
@@ -75,10 +75,11 @@ def attention_backend_class(
     name = config.attention_backend
     if name not in (None, "flashinfer"):
         return ATTENTION_BACKENDS[name]
-    # flashinfer reads pages in the model's dtype only (EngineConfig refuses the pair).
-    if name is None and (device.type != "cuda" or config.kv_cache_dtype != "auto"):
+    if name is None and device.type != "cuda":
         return TorchBackend
-    reason = check_flashinfer(model_config, config.page_size, config.dtype, device)
+    reason = check_flashinfer(
+        model_config, config.page_size, config.dtype, config.kv_storage_dtype, device
+    )
     if reason is None:
         return FlashInferBackend
     if name == "flashinfer":
@@ -199,7 +200,7 @@ class ModelRunner:
         return sum(
             KVPool.bytes_per_page(
                 cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size,
-                self.config.kv_storage_dtype,
+                self.config.kv_storage_dtype, self.backend_class.per_vector_kv_scales,
             )
             for cfg in (self.model_config, self.draft_model_config)
             if cfg is not None
@@ -240,6 +241,7 @@ class ModelRunner:
         return KVPool(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size, num_pages,
             self.config.dtype, self.device, storage_dtype=self.config.kv_storage_dtype,
+            per_vector_scales=self.backend_class.per_vector_kv_scales,
         )
 
     def _make_backend(self, pool: KVPool) -> AttentionBackend:

@@ -9,8 +9,10 @@ same parameter names (so a misnamed argument fails here as it would there):
 * a decode wrapper built with `use_cuda_graph=True` owns fixed page-table buffers: `plan`
   copies the step's page table into them and refuses another batch size, and `run` reads
   them, as a replayed graph's kernels do;
-* `run(q, (k_cache, v_cache))` attends with the planned schedule. The attention itself is
-  `ReferenceBackend`'s, so a step planned right gives the reference's exact output.
+* `run(q, (k_cache, v_cache), k_scale=, v_scale=)` attends with the planned schedule, the
+  caches in the planned `kv_data_type` (fp8 numbers read times their per-tensor scale). The
+  attention itself is `ReferenceBackend`'s, so a step planned right gives the reference's
+  exact output.
 
 Every `plan`, `run`, `synchronize` and `record` is appended to one shared log, with the
 object that made it, so tests can check the order of calls across wrappers and events.
@@ -49,6 +51,7 @@ class FakeWrapper:
         assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
         self.log = log
         self.planned: dict | None = None
+        self.scales: tuple[float | None, float | None] | None = None  # the last run's
 
     def remember(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -62,12 +65,23 @@ class FakeWrapper:
             last_page_len=last_page_len, shape=shape, dtypes=dtypes,
         )
 
-    def run(self, q: torch.Tensor, paged_kv_cache: KVCache) -> torch.Tensor:
+    def run(
+        self, q: torch.Tensor, paged_kv_cache: KVCache, *,
+        k_scale: float | None = None, v_scale: float | None = None,
+    ) -> torch.Tensor:
         assert self.planned is not None, "run before plan"
         self.log.append(("run", self))
+        self.scales = (k_scale, v_scale)
         num_heads, num_kv_heads, head_dim, page_size = self.planned["shape"]
-        assert {q.dtype, paged_kv_cache[0].dtype} <= set(self.planned["dtypes"])
-        pool = SimpleNamespace(page_size=page_size, layer_cache=lambda layer: paged_kv_cache)
+        q_data_type, kv_data_type = self.planned["dtypes"]
+        assert q.dtype == q_data_type and paged_kv_cache[0].dtype == (kv_data_type or q_data_type)
+        scales = (k_scale or 1.0, v_scale or 1.0)  # flashinfer's defaults: 1
+
+        def gather(layer: int, kind: int, pages: torch.Tensor) -> torch.Tensor:
+            return paged_kv_cache[kind][pages].to(q.dtype) * scales[kind]
+
+        # No new keys and values to write: the backend stored them before calling run.
+        pool = SimpleNamespace(page_size=page_size, gather=gather, write=lambda *args: None)
         reference = ReferenceBackend(pool, num_heads, num_kv_heads, head_dim)
         nothing = torch.zeros(0, dtype=torch.int64, device=q.device)
         reference.plan(AttentionMetadata(
@@ -127,7 +141,7 @@ class FakeDecodeWrapper(FakeWrapper):
             (num_qo_heads, num_kv_heads, head_dim, page_size), (q_data_type, kv_data_type),
         )
 
-    def run(self, q: torch.Tensor, paged_kv_cache: KVCache) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: KVCache, **scales: float | None) -> torch.Tensor:
         if self.use_cuda_graph:  # a replayed graph reads the fixed buffers, not the plan's inputs
             indptr_buffer, indices_buffer, last_buffer = self.buffers
             self.planned.update(
@@ -135,7 +149,7 @@ class FakeDecodeWrapper(FakeWrapper):
                 kv_indices=indices_buffer[: int(indptr_buffer[-1])],
                 last_page_len=last_buffer.cpu(),
             )
-        return super().run(q, paged_kv_cache)
+        return super().run(q, paged_kv_cache, **scales)
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> Log:

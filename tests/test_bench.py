@@ -19,6 +19,7 @@ import pytest
 
 from nanoqwen import LLM, SamplingParams
 from checkpoints import random_checkpoint, synthetic_tokenizer
+from gguf_files import F, all_of, write_gguf
 from nanoqwen.tokenizer import Tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
@@ -239,6 +240,24 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
     ratios = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, plain, strict=True)]
     assert result["speculation_speedup"] == pytest.approx(sum(ratios) / 2)
     assert result["settings"]["speculative"] == "ngram"
+
+
+def test_a_gguf_file_is_benchmarked_against_transformers_reading_it(
+    tmp_path: Path, qwen3_dir: str
+) -> None:
+    path = write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.Q8_0))
+    # The file's own tokenizer offers a prompt the same ordinary tokens as the checkpoint's.
+    assert bench.prompt_token_ids(path, 10**6) == bench.prompt_token_ids(qwen3_dir, 10**6)
+    spec = workload(num_seqs=3, turns=1)
+    result = run_bench(tmp_path, "--model", path, *cli_args(spec), "--compare", "hf")
+    check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
+    # Q8_0 weights stay int8 in memory, so the run is compared with full precision too.
+    assert result["settings"]["quantization"] == "int8"
+    full = result["full_precision"]
+    assert full["output_tokens"] == result["nanoqwen"]["output_tokens"]
+    assert result["nanoqwen"]["weight_bytes"] < full["weight_bytes"]
+    for key in ("requests", "input_tokens", "output_tokens"):
+        assert result["transformers"][key] == result["nanoqwen"][key]
 
 
 def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> None:

@@ -73,7 +73,7 @@ def test_the_kernels_are_built_and_timed_at_start_up(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
         model_config = ModelConfig.from_pretrained(model_64)
-        assert check_flashinfer(model_config, 16, torch.bfloat16, CUDA) is None
+        assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 
 

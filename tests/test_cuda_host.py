@@ -131,7 +131,7 @@ def test_warm_up_plans_and_runs_a_prefill_and_a_decode(
 ) -> None:
     log = fake_flashinfer.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warm_up_kernels(model_config, 1, torch.bfloat16, torch.device("cpu"))  # 1-token pages
+    warm_up_kernels(model_config, 1, torch.bfloat16, torch.bfloat16, torch.device("cpu"))  # 1-token pages
     wrappers = [(name, who) for name, who in log if name in ("plan", "run")]
     assert [(name, type(who)) for name, who in wrappers] == [
         ("plan", FakePrefillWrapper), ("run", FakePrefillWrapper),
@@ -158,8 +158,8 @@ def test_kernels_are_built_at_start_up_under_a_status_line(
     built = []
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
-        assert check_flashinfer(model_config, 16, torch.bfloat16, CUDA) is None
-    assert built == [(model_config, 16, torch.bfloat16, CUDA)]
+        assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
+    assert built == [(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA)]
     assert "compiling flashinfer kernels" in status_screen.getvalue()
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 
@@ -208,12 +208,16 @@ def test_missing_flashinfer_falls_back_with_one_warning(
 
 
 @pytest.mark.parametrize(
-    "head_dim, dtype, message",
-    [(32, torch.bfloat16, "head_dim 32"), (128, torch.float32, "float32"),
-     (96, torch.float16, "head_dim 96")],
+    "head_dim, dtype, kv_dtype, message",
+    [(32, torch.bfloat16, torch.bfloat16, "head_dim 32"),
+     (128, torch.float32, torch.float32, "float32"),
+     (96, torch.float16, torch.float16, "head_dim 96"),
+     (128, torch.bfloat16, torch.int8, "not torch.int8")],
 )
-def test_unsupported_shapes_say_why(head_dim: int, dtype: torch.dtype, message: str) -> None:
-    assert message in flashinfer_unsupported_reason(head_dim, dtype)
+def test_unsupported_shapes_say_why(
+    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, message: str
+) -> None:
+    assert message in flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
 
 
 # ----------------------------------------------------------------- the model's device

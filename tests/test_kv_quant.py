@@ -14,6 +14,8 @@ states how far off it may be and why:
   were close (a near-tie the quantization error can flip).
 """
 
+import logging
+
 import click
 import pytest
 import torch
@@ -21,12 +23,16 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen import LLMEngine
+import fake_flashinfer
+from cuda_helpers import build_model_64
+from nanoqwen import LLM, LLMEngine, attention_flashinfer, runner as runner_module
 from nanoqwen.attention import AttentionBackend, ReferenceBackend
+from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
 from nanoqwen.attention_torch import TorchBackend
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.config import KV_CACHE_DTYPES
-from nanoqwen.kv_pool import KVPool, dequantize, quantize
+from nanoqwen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from nanoqwen.kv_pool import TENSOR_SCALE, KVPool, dequantize, quantize
+from nanoqwen.runner import attention_backend_class
 from oracle import greedy, hf_last_logits, random_prompts, run_to_completion
 from test_attention import HEAD_DIM, HEADS, ROWS, Row, random_step
 
@@ -80,16 +86,45 @@ def test_the_pool_stores_codes_and_scales_and_gathers_dequantized_pages(name: st
     assert not pool.gather(0, 0, torch.tensor([2, 3])).any()  # another layer: untouched
 
 
+def test_a_per_tensor_fp8_pool_stores_numbers_at_scale_one_and_saturates() -> None:
+    pool = KVPool(
+        1, 2, HEAD_DIM, 4, 4, torch.bfloat16, CPU,
+        storage_dtype=torch.float8_e4m3fn, per_vector_scales=False,
+    )
+    assert pool.scales is None and pool.nbytes == pool.kv.nbytes
+    k, v = torch.randn(2, 4, 2, HEAD_DIM, dtype=torch.bfloat16) * 100
+    k[0, 0, 0], v[3, 1, 5] = 1000, -2000  # beyond fp8's range
+    pool.write(0, k, v, torch.arange(4, 8))
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    for kind, written in enumerate((k, v)):
+        expected = written.float().clamp(-largest, largest)
+        read = pool.gather(0, kind, torch.tensor([1])).flatten(0, 1).float()
+        # 3 mantissa bits: within 1/16 of the number, plus half the smallest subnormal step.
+        assert ((read - expected).abs() <= expected.abs() / 16 + 2.0**-10).all()
+    saturated = pool.gather(0, 0, torch.tensor([1]))[0, 0, 0, 0], pool.gather(0, 1, torch.tensor([1]))[0, 3, 1, 5]
+    assert [float(x) for x in saturated] == [largest, -largest]
+
+
+def test_int8_needs_a_scale_per_vector() -> None:
+    with pytest.raises(ValueError, match="int8 KV pool needs a scale per vector"):
+        KVPool(1, 2, HEAD_DIM, 4, 4, torch.float32, CPU, storage_dtype=torch.int8,
+               per_vector_scales=False)
+
+
 # ----------------------------------------------------------------- attention
 # Unit-normal queries, keys and values: int8 moves each key and value element by at most
 # 0.4% of its vector's largest one, fp8 by 6% of itself, and attention's output moves by
-# about as much. Measured worst cases: 0.02 (int8) and 0.10 (fp8); stated with headroom.
+# about as much; fp8 at one scale per tensor (flashinfer's pools) the same, as unit-normal
+# numbers sit well inside its range. Measured worst cases: 0.02 (int8) and 0.10 (fp8);
+# stated with headroom.
 ATTENTION_TOLERANCE = {"int8": 0.05, "fp8_e4m3": 0.25}
+# (kv_cache_dtype, a scale per vector?): the pools the backends may read.
+POOL_KINDS = [("int8", True), ("fp8_e4m3", True), ("fp8_e4m3", False)]
 
 
 def attend_full_and_quantized(
     backend_class: type[AttentionBackend],
-    name: str,
+    pool_kind: tuple[str, bool],
     rows: list[Row],
     heads: tuple[int, int],
     page_size: int,
@@ -99,10 +134,12 @@ def attend_full_and_quantized(
     """One random step attended over a full-precision pool and over a quantized pool that
     were handed the same keys and values."""
     num_heads, num_kv_heads = heads
+    name, per_vector_scales = pool_kind
     torch.manual_seed(seed)
     num_pages = sum(-(-(cached + new) // page_size) for cached, new in rows) + 1
     pools = [
-        KVPool(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage)
+        KVPool(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage,
+               per_vector_scales=per_vector_scales)
         for storage in (None, KV_CACHE_DTYPES[name])
     ]
     every_slot = torch.arange(num_pages * page_size)
@@ -123,7 +160,7 @@ def attend_full_and_quantized(
 @settings(max_examples=40, deadline=None)
 @given(
     backend_class=st.sampled_from([ReferenceBackend, TorchBackend]),
-    name=st.sampled_from(QUANTIZED),
+    pool_kind=st.sampled_from(POOL_KINDS),
     rows=ROWS,
     heads=st.sampled_from(HEADS),
     page_size=st.sampled_from([1, 4, 16]),
@@ -132,7 +169,7 @@ def attend_full_and_quantized(
 )
 def test_attention_over_a_quantized_pool_is_close_to_full_precision(
     backend_class: type[AttentionBackend],
-    name: str,
+    pool_kind: tuple[str, bool],
     rows: list[Row],
     heads: tuple[int, int],
     page_size: int,
@@ -140,9 +177,9 @@ def test_attention_over_a_quantized_pool_is_close_to_full_precision(
     seed: int,
 ) -> None:
     full, quantized = attend_full_and_quantized(
-        backend_class, name, rows, heads, page_size, dtype, seed
+        backend_class, pool_kind, rows, heads, page_size, dtype, seed
     )
-    assert (full - quantized).abs().max() <= ATTENTION_TOLERANCE[name]
+    assert (full - quantized).abs().max() <= ATTENTION_TOLERANCE[pool_kind[0]]
 
 
 def test_the_torch_backend_gathers_a_quantized_pool_s_decodes() -> None:
@@ -215,26 +252,172 @@ def test_greedy_output_agrees_with_full_precision_except_at_near_ties(
     prompts.append(prompts[1][:12] + prompts[4][:6])  # shares a cached prefix with prompt 1
     full = greedy_outputs(make_engine(model_dir, "auto", **options), prompts)
     quantized = greedy_outputs(make_engine(model_dir, name, **options), prompts)
+    assert_agrees_except_at_near_ties(model_dir, prompts, full, quantized, NEAR_TIE[name])
+
+
+def assert_agrees_except_at_near_ties(
+    model_dir: str,
+    prompts: list[list[int]],
+    full: list[list[int]],
+    quantized: list[list[int]],
+    near_tie: float,
+    min_agreement: float = 0.75,
+) -> None:
+    """Each quantized output equals the full-precision one up to a token where float32's
+    top two logits were within `near_tie`; and at least `min_agreement` of the tokens come
+    before the first difference (near-ties are rare)."""
     agreed = 0
-    for prompt, expected, got in zip(prompts, full, quantized):
+    for prompt, expected, got in zip(prompts, full, quantized, strict=True):
         first_difference = next(
             (i for i, (a, b) in enumerate(zip(expected, got)) if a != b), len(expected)
         )
         agreed += first_difference
         if first_difference < len(expected):
             context = prompt + expected[:first_difference]
-            assert top_two_margin(model_dir, context) < NEAR_TIE[name]
-    # Near-ties are rare: most tokens agree.
-    assert agreed >= 0.75 * len(prompts) * NEW_TOKENS
+            assert top_two_margin(model_dir, context) < near_tie
+    assert agreed >= min_agreement * len(prompts) * NEW_TOKENS
+
+
+# ----------------------------------------------------------------- tensor parallel, drafts
+def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> None:
+    """A scale belongs to one (token, KV head), so two ranks holding half the heads each
+    store what one device stores, and decode the same tokens."""
+    options = dict(kv_cache_dtype="int8", page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3)
+    prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
+    expected = [o.token_ids for o in LLM(qwen3_dir, **options).generate(prompts, greedy(8))]
+    split = LLM(qwen3_dir, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in split.generate(prompts, greedy(8))] == expected
+        stats = split.stats()
+        assert stats["kv_cache_bytes"] == 2 * split.engine.pool.nbytes  # both ranks' pools
+        assert stats["pages_used"] == 0
+    finally:
+        split.shutdown()
+
+
+def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -> None:
+    memory = 1 << 20
+    engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
+                         kv_cache_memory=memory)
+    target, draft = engine.runner.pool, engine.proposer.runner.pool
+    assert draft.kv.dtype == torch.int8 and draft.scales is not None
+    page_bytes = [pool.nbytes // pool.num_pages for pool in (target, draft)]
+    assert draft.num_pages == target.num_pages == memory // sum(page_bytes) + 1
+    prompts = random_prompts(800, PROMPT_LENGTHS[:3], seed=3)
+    plain = greedy_outputs(make_engine(qwen3_dir, "int8", kv_cache_memory=memory), prompts)
+    assert greedy_outputs(engine, prompts) == plain
+
+
+# ----------------------------------------------------------------- flashinfer's fp8 pages
+@pytest.fixture(scope="module")
+def model_64_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """head_dim 64, one of flashinfer's sizes."""
+    return build_model_64(tmp_path_factory.mktemp("qwen2_64"), num_key_value_heads=2)
+
+
+def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flashinfer's wrappers replaced by `fake_flashinfer`'s (its parameter names; the
+    reference's attention over the pages it is handed, read in the planned kv_data_type
+    times the scales given to run). The stand-ins run any dtype and head size, so this runs
+    on the float32 fixtures. The engine plans fp8 pages, passes their scales, sizes the pool
+    by one byte per number and no scales, and decodes like float32 pages up to near-ties.
+    At scale 1 the fixtures' small random keys and values lie among fp8's subnormals, so
+    outputs part earlier than with a scale per vector (on some prompts at the first token),
+    but only where float32 itself nearly hesitated."""
+    log = fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(runner_module, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(attention_flashinfer, "flashinfer_unsupported_reason", lambda *args: None)
+    memory = 400_000
+    options = dict(attention_backend="flashinfer", kv_cache_memory=memory)
+    engines = {kv: make_engine(model_dir, kv, **options) for kv in ("auto", "fp8_e4m3")}
+    pool = engines["fp8_e4m3"].pool
+    assert pool.kv.dtype == torch.float8_e4m3fn and pool.scales is None
+    shape = engines["auto"].runner.model_config
+    fp8_page = 2 * shape.num_layers * 4 * shape.num_kv_heads * shape.head_dim  # bytes
+    # One byte per number and no scales: four times float32's pages.
+    assert pool.num_usable_pages == memory // fp8_page
+    assert engines["auto"].pool.num_usable_pages == memory // (4 * fp8_page)
+    assert engines["fp8_e4m3"].stats()["kv_cache_bytes"] == pool.num_pages * fp8_page
+
+    prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
+    full = greedy_outputs(engines["auto"], prompts)
+    start = len(log)
+    quantized = greedy_outputs(engines["fp8_e4m3"], prompts)
+    runs = [wrapper for name, wrapper in log[start:] if name == "run"]
+    assert runs and all(w.planned["dtypes"] == (torch.float32, torch.float8_e4m3fn) for w in runs)
+    assert all(wrapper.scales == (TENSOR_SCALE, TENSOR_SCALE) for wrapper in runs)
+    assert_agrees_except_at_near_ties(
+        model_dir, prompts, full, quantized, NEAR_TIE["fp8_e4m3"], min_agreement=0.0
+    )
+
+
+def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_warning(
+    model_64_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The backend choice alone (nothing runs on the device): fp8 asks flashinfer for its
+    fp8 kernels; int8, which it has none for, gets the torch backend and one warning."""
+    model_config = ModelConfig.from_pretrained(model_64_dir)
+    built = []
+    fake_flashinfer.install(monkeypatch)  # so that `import flashinfer` works
+    monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
+    cuda = torch.device("cuda")
+
+    def config(kv_cache_dtype: str) -> EngineConfig:
+        return EngineConfig(model="m", device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+
+    assert attention_backend_class(config("fp8_e4m3"), model_config, cuda) is FlashInferBackend
+    assert [args[3] for args in built] == [torch.float8_e4m3fn]
+    with caplog.at_level(logging.WARNING):
+        assert attention_backend_class(config("int8"), model_config, cuda) is TorchBackend
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_a_quantized_kv_cache_runs_on_the_torch_backend(qwen3_dir: str) -> None:
-    engine = make_engine(qwen3_dir, "fp8_e4m3", device="cuda", num_pages=40)
-    assert isinstance(engine.runner.backend, TorchBackend)
-    assert engine.pool.kv.dtype == torch.float8_e4m3fn and engine.pool.kv.is_cuda
-    outputs = greedy_outputs(engine, random_prompts(800, PROMPT_LENGTHS, seed=3))
-    assert all(len(tokens) == NEW_TOKENS for tokens in outputs)
+@pytest.mark.parametrize("rows", [[(0, 9), (17, 1)], [(40, 1), (3, 1), (30, 1)], [(20, 7), (5, 1)]])
+def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) -> None:
+    """flashinfer's own kernels on an fp8 pool against the reference backend on the same
+    pool, so the same quantized numbers: only the kernels' bfloat16 arithmetic differs."""
+    if flashinfer_unsupported_reason(64, torch.bfloat16, torch.float8_e4m3fn) is not None:
+        pytest.skip("flashinfer cannot run here")
+    cuda = torch.device("cuda")
+    pool = KVPool(1, 2, 64, 16, 16, torch.bfloat16, cuda, storage_dtype=torch.float8_e4m3fn,
+                  per_vector_scales=False)
+    every_slot = torch.arange(pool.num_pages * pool.page_size, device=cuda)
+    pool.write(0, *torch.randn(2, every_slot.numel(), 2, 64, dtype=torch.bfloat16, device=cuda),
+               every_slot)
+    inputs, _ = random_step(pool, rows, seed=0)
+    num_tokens = inputs.input_ids.numel()
+    q = torch.randn(num_tokens, 8, 64, dtype=torch.bfloat16, device=cuda)
+    k, v = torch.randn(2, num_tokens, 2, 64, dtype=torch.bfloat16, device=cuda)
+    initial, outputs = pool.kv.clone(), []
+    for backend_class in (ReferenceBackend, FlashInferBackend):
+        pool.kv.copy_(initial)
+        backend = backend_class(pool, 8, 2, 64)
+        backend.plan(inputs.metadata)
+        outputs.append(backend.forward(0, q, k, v).float())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_fp8_runs_on_flashinfer_and_int8_on_the_torch_backend(
+    model_64_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if flashinfer_unsupported_reason(64, torch.bfloat16, torch.float8_e4m3fn) is not None:
+        pytest.skip("flashinfer cannot run here")
+    options = dict(device="cuda", dtype="bfloat16", num_pages=40)
+    prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
+    fp8 = make_engine(model_64_dir, "fp8_e4m3", **options)
+    assert isinstance(fp8.runner.backend, FlashInferBackend) and fp8.pool.scales is None
+    assert all(len(tokens) == NEW_TOKENS for tokens in greedy_outputs(fp8, prompts))
+    with caplog.at_level(logging.WARNING):
+        int8 = make_engine(model_64_dir, "int8", **options)
+    assert isinstance(int8.runner.backend, TorchBackend) and int8.pool.scales is not None
+    [warning] = [r.getMessage() for r in caplog.records if "int8" in r.getMessage()]
+    assert "falling back" in warning
+    assert all(len(tokens) == NEW_TOKENS for tokens in greedy_outputs(int8, prompts))
 
 
 # ----------------------------------------------------------------- errors and options
@@ -244,7 +427,7 @@ def test_an_unknown_kv_cache_dtype_is_refused(qwen3_dir: str, value: object) -> 
         LLMEngine(qwen3_dir, device="cpu", kv_cache_dtype=value)
 
 
-def test_flashinfer_with_a_quantized_kv_cache_is_refused(qwen3_dir: str) -> None:
+def test_flashinfer_with_an_int8_kv_cache_is_refused(qwen3_dir: str) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'.*attention_backend='torch'"):
         LLMEngine(qwen3_dir, device="cpu", kv_cache_dtype="int8", attention_backend="flashinfer")
 
