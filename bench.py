@@ -76,21 +76,28 @@ import click
 import torch
 from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from bench_baseline import run_transformers
-from bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
-from bench_floor import FloorRecorder, measure_floor
-from bench_report import print_report
-from checkpoints import PRESETS, random_checkpoint
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
-from nanoqwen.gguf_checkpoint import from_pretrained_arguments
-from nanoqwen.loader import resolve_model_path, runtime_quantization
-from nanoqwen.quantization import weight_memory_bytes
-from nanoqwen.speculative import SpeculationStats
+from nanoqwen.speculative.proposers import SpeculationStats
+from nanoqwen.weights.checkpoint import resolve_model_path
+from nanoqwen.weights.gguf import from_pretrained_arguments
+from nanoqwen.weights.loader import runtime_quantization
+from nanoqwen.weights.quantization import weight_memory_bytes
+from tools.bench_baseline import run_transformers
+from tools.bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
+from tools.bench_floor import FloorRecorder, measure_floor
+from tools.bench_report import print_report
+from tools.checkpoints import PRESETS, random_checkpoint
 
 SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
 # The priority scenario: one request in URGENT_EVERY is urgent.
@@ -627,7 +634,7 @@ def companion_options(
     if config.speculative:
         plain = {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
         companions["no_speculation"] = ("without speculation", plain)
-    weights = runtime_quantization(config.quantization, engine.model_config)
+    weights = runtime_quantization(config.quantization, engine.checkpoint)
     if weights is not None or config.kv_cache_dtype != "auto":
         full = {**options, "quantization": "none", "kv_cache_dtype": "auto"}
         companions["full_precision"] = ("at full precision", full)
@@ -646,7 +653,7 @@ def run_companions(
 
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
-    weights = runtime_quantization(config.quantization, engine.model_config)
+    weights = runtime_quantization(config.quantization, engine.checkpoint)
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),

@@ -58,9 +58,10 @@ from rich.table import Table
 
 from nanoqwen import LLM, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.config import ModelConfig, resolve_device
-from nanoqwen.loader import resolve_model_path
-from nanoqwen.tokenizer import FALLBACK_SAMPLING, partial_match_length
+from nanoqwen.config import resolve_device
+from nanoqwen.text.detokenizer import partial_match_length
+from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
+from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 
 try:  # not on every platform; where present, input() gets line editing and history
     import readline
@@ -391,7 +392,7 @@ def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """
     options = dict(options)
     if "max_model_len" not in options:
-        context = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+        context = read_checkpoint(model_dir).model_config.max_position_embeddings
         if resolve_device(options.get("device")).type == "cpu":
             context = min(context, CPU_CONTEXT)
         options["max_model_len"] = context

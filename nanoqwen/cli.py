@@ -13,10 +13,15 @@ from typing import Any, TypeVar
 import click
 
 from nanoqwen.config import (
-    ATTENTION_BACKEND_NAMES, DTYPES, KV_CACHE_DTYPES, QUANTIZATION_MODES, SCHEDULING_POLICIES,
-    SPECULATIVE_METHODS, EngineConfig,
+    ATTENTION_BACKEND_NAMES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_MODES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
 )
-from nanoqwen.runner import CPU_KV_CACHE_FRACTION
+from nanoqwen.runner.runner import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 

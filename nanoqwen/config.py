@@ -1,17 +1,9 @@
-"""Settings: what the engine is asked to do, and what shape the model has.
+"""Engine settings: what the engine is asked to do, checked before anything loads.
 
-A few small dataclasses keep every number the rest of the code needs in one place:
-
-* `EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
-  memory, chunk size, caching, graphs, ranks, scheduling policy, speculative decoding) and
-  validates them before anything is loaded, so a typo in a dtype fails in one clear line
-  instead of deep inside a kernel.
-* `ModelConfig` is the model's shape, read from the checkpoint's `config.json` (or a GGUF
-  file's metadata) through transformers' `AutoConfig`. The decoder in `model.py` is built
-  from it alone; the transformers config object rides along because its rotary-embedding
-  helpers need it. It also says how the checkpoint stores its weights: `PackedWeights`
-  for GPTQ/AWQ integer layouts, and `quantization`, the `WeightQuantization` that keeps
-  them about as small in memory at run time.
+`EngineConfig` holds the user's choices (device, dtype, batch limits, page size, KV
+memory, chunk size, caching, graphs, ranks, scheduling policy, speculative decoding) and
+validates them in `__post_init__`, so a typo in a dtype fails in one clear line instead of
+deep inside a kernel. The model's own shape is `model/config.py`'s `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -20,12 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
-from nanoqwen.gguf_checkpoint import is_gguf_file, read_gguf_config
-
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
@@ -43,8 +30,6 @@ DTYPES = {
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 # How linear weights are kept in memory: as the dtype ("none"), or as 8/4-bit integers.
 QUANTIZATION_MODES = ("none", "int8", "int4")
-# GGML's 4- and 5-bit types give every 32 weights (a block or sub-block) their own scale.
-GGUF_GROUP_SIZE = 32
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -203,165 +188,8 @@ class EngineConfig:
         return self.num_speculative_tokens if self.speculative else 0
 
 
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The longest sequence served: the model's trained context unless told otherwise.
-
-    Only a model with RoPE scaling may be asked to go past what it was trained on.
-    """
-    trained = model_config.max_position_embeddings
-    wanted = config.max_model_len
-    if wanted is None:
-        return trained
-    if wanted > trained and model_config.rope_type == "default":
-        raise ValueError(
-            f"max_model_len={wanted} exceeds the model's max_position_embeddings={trained}"
-        )
-    return wanted
-
-
 def _require_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True)
-class WeightQuantization:
-    """Linear weights kept as integers in memory and dequantized inside the matmul."""
-
-    mode: str  # "int8": one scale per output row; "int4": a scale and zero per group
-    group_size: int = 128  # int4: consecutive input channels that share a scale and zero
-
-
-@dataclass(frozen=True)
-class PackedWeights:
-    """How a GPTQ or AWQ checkpoint packs its integer weights (`quantization_config`).
-
-    Every quantized linear is stored as integer codes `qweight`, one zero point per group
-    `qzeros` (both packed several to an int32), and one scale per group `scales`; the
-    weight is `(code - zero) * scale`. `gptq_awq.py` unpacks them.
-    """
-
-    method: str  # "gptq" or "awq"
-    bits: int
-    group_size: int  # input channels per group; -1: the whole row is one group
-    zero_offset: int  # GPTQ's original format stores every zero point minus one
-
-    @classmethod
-    def from_hf(cls, quantization_config: dict[str, Any], source: str) -> PackedWeights:
-        method = quantization_config.get("quant_method")
-        bits = quantization_config.get("bits")
-        group_size = quantization_config.get("group_size", 128)
-        allowed_bits = {"gptq": (4, 8), "awq": (4,)}
-        if method not in allowed_bits:
-            raise ValueError(
-                f"{source}: quantization method {method!r} is not supported; nanoqwen loads "
-                "gptq and awq checkpoints and GGUF files"
-            )
-        if bits not in allowed_bits[method]:
-            raise ValueError(f"{source}: {method} with {bits} bits is not supported")
-        whole_rows = group_size == -1 and method == "gptq"
-        if not isinstance(group_size, int) or not (group_size > 0 or whole_rows):
-            raise ValueError(f"{source}: unsupported {method} group_size {group_size!r}")
-        if method == "awq":
-            version = str(quantization_config.get("version", "gemm")).lower()
-            if version != "gemm" or not quantization_config.get("zero_point", True):
-                raise ValueError(
-                    f"{source}: only AWQ's GEMM layout with zero points is supported "
-                    f"(this one is version {version!r})"
-                )
-            return cls("awq", bits, group_size, zero_offset=0)
-        checkpoint_format = quantization_config.get("checkpoint_format", "gptq")
-        if checkpoint_format not in ("gptq", "gptq_v2"):
-            raise ValueError(f"{source}: unsupported GPTQ checkpoint_format {checkpoint_format!r}")
-        return cls("gptq", bits, group_size, zero_offset=1 if checkpoint_format == "gptq" else 0)
-
-    def runtime_quantization(self) -> WeightQuantization | None:
-        return quantization_for_bits(self.bits, self.group_size if self.group_size > 0 else 128)
-
-
-def quantization_for_bits(bits: int, group_size: int) -> WeightQuantization | None:
-    """What keeps a checkpoint's `bits`-bit weights about as small in memory: int4 up to
-    5 bits, int8 up to 8, and the dtype itself above that."""
-    if bits <= 5:
-        return WeightQuantization("int4", group_size)
-    return WeightQuantization("int8") if bits <= 8 else None
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The decoder's shape: the only facts `model.py` needs about a checkpoint."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 adds a bias to the q, k and v projections
-    qk_norm: bool  # Qwen3 RMS-normalises each head of q and k before RoPE
-    max_position_embeddings: int
-    rope_type: str
-    hf_config: PretrainedConfig
-    packed_weights: PackedWeights | None = None  # a GPTQ/AWQ checkpoint's integer layout
-    # How small the checkpoint keeps its weights, and so the run-time default.
-    quantization: WeightQuantization | None = None
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> ModelConfig:
-        """The config of a checkpoint directory or a GGUF file."""
-        if is_gguf_file(path):
-            hf, bits = read_gguf_config(path)
-            return cls.from_hf(hf, quantization=quantization_for_bits(bits, GGUF_GROUP_SIZE))
-        try:
-            hf = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError, KeyError) as error:
-            raise ValueError(f"could not read the model config in {path}: {error}") from error
-        packed = getattr(hf, "quantization_config", None)
-        if packed is None:
-            return cls.from_hf(hf)
-        packed = PackedWeights.from_hf(packed, source=f"{path}/config.json")
-        return cls.from_hf(hf, packed, packed.runtime_quantization())
-
-    @classmethod
-    def from_hf(
-        cls,
-        hf: PretrainedConfig,
-        packed_weights: PackedWeights | None = None,
-        quantization: WeightQuantization | None = None,
-    ) -> ModelConfig:
-        architecture = (getattr(hf, "architectures", None) or ["?"])[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}: nanoqwen runs "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
-            )
-        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope scaling type {rope_type!r}: nanoqwen supports "
-                + ", ".join(SUPPORTED_ROPE_TYPES)
-            )
-        is_qwen3 = architecture == "Qwen3ForCausalLM"
-        return cls(
-            architecture=architecture,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
-            qkv_bias=bool(getattr(hf, "attention_bias", False)) if is_qwen3 else True,
-            qk_norm=is_qwen3,
-            max_position_embeddings=hf.max_position_embeddings,
-            rope_type=rope_type,
-            hf_config=hf,
-            packed_weights=packed_weights,
-            quantization=quantization,
-        )

@@ -22,22 +22,26 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from nanoqwen.batch import ScheduledBatch
-from nanoqwen.config import EngineConfig, ModelConfig, resolve_max_model_len
-from nanoqwen.distributed import Workers, launch, starting
-from nanoqwen.loader import check_splittable, resolve_model_path
-from nanoqwen.parallel import SINGLE, check_tensor_parallel
-from nanoqwen.radix_cache import RadixCache
-from nanoqwen.request import Request, Status
-from nanoqwen.runner import ModelRunner
-from nanoqwen.sampler import SamplingParams, make_generator
-from nanoqwen.scheduler import Scheduler
-from nanoqwen.speculative import make_proposer, resolve_draft_model
-from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
-from nanoqwen.waiting_queue import check_priority
+from nanoqwen.config import EngineConfig
+from nanoqwen.memory.radix_cache import RadixCache
+from nanoqwen.model.config import resolve_max_model_len
+from nanoqwen.outputs import RequestOutput, StepError
+from nanoqwen.parallel.sharding import SINGLE, check_tensor_parallel
+from nanoqwen.parallel.workers import Workers, launch, starting
+from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.sampler import make_generator
+from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.scheduling.request import Request, Status
+from nanoqwen.scheduling.scheduler import Scheduler
+from nanoqwen.scheduling.waiting_queue import check_priority
+from nanoqwen.speculative.proposers import make_proposer, resolve_draft_model
+from nanoqwen.text.detokenizer import IncrementalDetokenizer
+from nanoqwen.text.tokenizer import Tokenizer
+from nanoqwen.weights.checkpoint import open_checkpoint
+from nanoqwen.weights.loader import check_splittable
 
 Prompt = str | list[int]
 # The phases of a step, in order, as `instrument` names them.
@@ -45,49 +49,19 @@ STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postproce
 PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 
 
-@dataclass
-class RequestOutput:
-    """A request's progress after a step; the last one has `finished=True`."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # shared with the engine: read, don't modify
-    token_ids: list[int]  # every token generated so far
-    text: str  # every released character so far (stop strings excluded)
-    delta_token_ids: list[int]  # generated this step
-    delta_text: str  # released this step: what a stream sends
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache (0 until admitted)
-
-
-class StepError(RuntimeError):
-    """A step failed after its batch was scheduled (a bug, or a failing device).
-
-    The batch's requests are still in the engine, untouched by the failed step: the caller
-    decides their fate (a server aborts them and answers 500, then keeps serving). Requests
-    the same step had already finished (the scheduler's out-of-memory ones) are in
-    `finished`, with their final outputs. The original exception is the `__cause__`.
-    """
-
-    def __init__(self, request_ids: list[str], finished: list[RequestOutput]) -> None:
-        super().__init__(f"the engine step failed for requests {', '.join(request_ids)}")
-        self.request_ids = request_ids
-        self.finished = finished
-
-
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        checkpoint = resolve_model_path(model)
-        self.model_config = ModelConfig.from_pretrained(checkpoint)
-        self.tokenizer = Tokenizer(checkpoint)
-        self.max_model_len = resolve_max_model_len(self.config, self.model_config)
-        runner_args = (self.model_config, checkpoint, self.max_model_len)
+        self.checkpoint = checkpoint = open_checkpoint(model)
+        self.model_config = checkpoint.model_config
+        self.tokenizer = Tokenizer(checkpoint.path)
+        self.max_model_len = resolve_max_model_len(self.config.max_model_len, self.model_config)
+        runner_args = (checkpoint, self.max_model_len)
         tp, rank_config = SINGLE, self.config
         self.workers: Workers | None = None
         if self.config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
-            check_splittable(checkpoint, self.model_config, self.config.quantization)
+            check_splittable(checkpoint, self.config.quantization)
             # Under torchrun, only rank 0 returns from here.
             tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
         draft = resolve_draft_model(self.config, self.tokenizer)

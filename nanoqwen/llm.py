@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from nanoqwen.engine import LLMEngine, Prompt, RequestOutput
-from nanoqwen.sampler import SamplingParams
-from nanoqwen.waiting_queue import priority_list
+from nanoqwen.engine import LLMEngine, Prompt
+from nanoqwen.outputs import RequestOutput
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.scheduling.waiting_queue import priority_list
 
 Message = dict[str, str]
 

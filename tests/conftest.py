@@ -2,7 +2,7 @@
 
 import pytest
 
-from checkpoints import build_qwen2, build_qwen3
+from tools.checkpoints import build_qwen2, build_qwen3
 
 
 @pytest.fixture(scope="session")

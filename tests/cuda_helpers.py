@@ -15,12 +15,12 @@ import threading
 
 import pytest
 import torch
-
-from checkpoints import build_qwen2
-from nanoqwen import LLMEngine
-from nanoqwen.batch import StepInputs, StepInputsBuilder
-from nanoqwen.kv_pool import KVPool
 from oracle import greedy, run_to_completion
+
+from nanoqwen import LLMEngine
+from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
+from tools.checkpoints import build_qwen2
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_flashinfer = pytest.mark.skipif(

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanoqwen.attention import AttentionMetadata, ReferenceBackend
+from nanoqwen.attention.base import AttentionMetadata
+from nanoqwen.attention.reference import ReferenceBackend
 
 Log = list[tuple[str, object]]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -162,5 +163,5 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Log:
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(log))
     # A CPU "workspace" needs no 256 MiB.
-    monkeypatch.setattr("nanoqwen.attention_flashinfer.FLASHINFER_WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr("nanoqwen.attention.flashinfer_backend.FLASHINFER_WORKSPACE_BYTES", 1024)
     return log

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
-from nanoqwen.kv_pool import SCRATCH_PAGE
+from nanoqwen.memory.kv_pool import SCRATCH_PAGE
 
 
 @lru_cache(maxsize=8)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from oracle import hf_model
 
 from nanoqwen import LLM
-from oracle import hf_model
-from checkpoints import build_qwen2, build_qwen3
+from tools.checkpoints import build_qwen2, build_qwen3
 
 # Every linear layer's input a multiple of 256, the k-quants' super-block, and of every int4
 # group size. head_dim 128 is also what transformers assumes for a Qwen3 GGUF file.

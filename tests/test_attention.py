@@ -18,10 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoqwen.attention import AttentionBackend, ReferenceBackend
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.batch import StepInputs, StepInputsBuilder
-from nanoqwen.kv_pool import KVPool
+from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.attention.reference import ReferenceBackend
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
 
 HEAD_DIM = 16
 # A step's rows: (tokens already cached, new tokens) per request.

@@ -16,11 +16,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from gguf_files import F, all_of, write_gguf
 
 from nanoqwen import LLM, SamplingParams
-from checkpoints import random_checkpoint, synthetic_tokenizer
-from gguf_files import F, all_of, write_gguf
-from nanoqwen.tokenizer import Tokenizer
+from nanoqwen.text.tokenizer import Tokenizer
+from tools.checkpoints import random_checkpoint, synthetic_tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
 PHASES = {"schedule", "propose", "prepare", "forward", "sample", "postprocess", "outside steps"}

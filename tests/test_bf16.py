@@ -10,10 +10,10 @@ near-tie that close.
 
 import pytest
 import torch
-
 from bf16_oracle import assert_greedy_agrees, hf_bf16, hf_greedy_with_logits, tie_margin
-from nanoqwen import LLMEngine
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+
+from nanoqwen import LLMEngine
 
 VOCAB = 800
 # 504 tokens: one first step (the CPU's chunk is 512) prefills them all.

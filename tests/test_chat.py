@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.filesize import decimal
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.tokenizer import FALLBACK_SAMPLING
+from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_SCRIPT = ROOT / "chat.py"
@@ -275,7 +275,7 @@ def test_unknown_model_is_one_line_that_names_the_option(tmp_path: Path) -> None
     assert "Traceback" not in result.stderr
     # The loader's own message, which already says what to pass instead, said once.
     loader = subprocess.run(
-        [sys.executable, "-c", "from nanoqwen.loader import resolve_model_path\n"
+        [sys.executable, "-c", "from nanoqwen.weights.checkpoint import resolve_model_path\n"
          "try:\n    resolve_model_path('Qwen/Qwen3-0.6B')\n"
          "except ValueError as error:\n    print(error)"],
         capture_output=True, text=True, timeout=120, env=env,

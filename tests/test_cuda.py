@@ -10,14 +10,21 @@ import logging
 
 import pytest
 import torch
-
 from cuda_helpers import (  # noqa: F401 (fixtures)
-    DECODE, MIXED, build_model_64, empty_gpu, greedy_outputs, model_64, needs_cuda, random_step,
+    DECODE,
+    MIXED,
+    build_model_64,
+    empty_gpu,
+    greedy_outputs,
+    model_64,
+    needs_cuda,
+    random_step,
 )
-from nanoqwen import LLMEngine
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.kv_pool import KVPool
 from oracle import greedy, random_prompts, run_to_completion
+
+from nanoqwen import LLMEngine
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.memory.kv_pool import KVPool
 
 GIB = 2**30
 VOCAB = 800

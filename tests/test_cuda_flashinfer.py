@@ -16,18 +16,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bf16_oracle import assert_greedy_agrees, hf_greedy_with_logits
 from cuda_helpers import (  # noqa: F401 (fixtures)
-    DECODE, MIXED, PREFILL_WITH_PREFIX, empty_gpu, greedy_outputs, model_64, needs_flashinfer,
+    DECODE,
+    MIXED,
+    PREFILL_WITH_PREFIX,
+    empty_gpu,
+    greedy_outputs,
+    model_64,
+    needs_flashinfer,
     random_step,
 )
-from nanoqwen import LLMEngine
-from nanoqwen.attention_flashinfer import FlashInferBackend, check_flashinfer
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.config import ModelConfig
-from nanoqwen.kv_pool import KVPool
 from oracle import greedy, random_prompts, run_to_completion
+
+from nanoqwen import LLMEngine
+from nanoqwen.attention.flashinfer_backend import FlashInferBackend, check_flashinfer
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.weights.checkpoint import read_checkpoint
 
 pytestmark = [needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
 
@@ -71,8 +77,8 @@ def test_flashinfer_refuses_float32() -> None:
 def test_the_kernels_are_built_and_timed_at_start_up(
     model_64: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
-        model_config = ModelConfig.from_pretrained(model_64)
+    with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
+        model_config = read_checkpoint(model_64).model_config
         assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 

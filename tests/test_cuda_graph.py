@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention_flashinfer import FlashInferBackend
-from nanoqwen.attention_torch import TorchBackend
+from nanoqwen.attention.flashinfer_backend import FlashInferBackend
+from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.config import EngineConfig
-from nanoqwen.cuda_graph import MAX_BUCKET, decode_buckets, default_buckets
-from nanoqwen.kv_pool import SCRATCH_PAGE
-from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.runner.cuda_graph import MAX_BUCKET, decode_buckets, default_buckets
 
 VOCAB = 800
 BUCKETS = [1, 2, 4, 8, 16, 24]

@@ -19,26 +19,31 @@ import logging
 import sys
 from contextlib import contextmanager
 
+import fake_flashinfer
 import pytest
 import torch
-from rich.console import Console
-
-import fake_flashinfer
 from cuda_helpers import build_model_64
 from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
+from oracle import greedy, random_prompts, run_to_completion
+from rich.console import Console
+
 from nanoqwen import LLMEngine
-from nanoqwen import attention_flashinfer, runner as runner_module
-from nanoqwen.attention_flashinfer import (
+from nanoqwen.attention import flashinfer_backend as attention_flashinfer
+from nanoqwen.attention import registry
+from nanoqwen.attention.flashinfer_backend import (
     FencedWrapper,
     check_flashinfer,
     flashinfer_unsupported_reason,
     warm_up_kernels,
 )
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.config import EngineConfig, ModelConfig
-from nanoqwen.cuda_graph import DecodeGraphRunner
-from nanoqwen.runner import ModelRunner, attention_backend_class, exact_device
-from oracle import greedy, random_prompts, run_to_completion
+from nanoqwen.attention.registry import attention_backend_class
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.config import EngineConfig
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.runner import runner as runner_module
+from nanoqwen.runner.cuda_graph import DecodeGraphRunner
+from nanoqwen.runner.runner import ModelRunner, exact_device
+from nanoqwen.weights.checkpoint import read_checkpoint
 
 CUDA = torch.device("cuda")  # only ever compared and passed along here, never used
 VOCAB = 800
@@ -53,7 +58,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def model_config(model_dir: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(model_dir)
+    return read_checkpoint(model_dir).model_config
 
 
 def bf16_config(**options) -> EngineConfig:
@@ -93,7 +98,7 @@ def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
     its own wrapper planned into the graph buffers), and decode steps past the largest
     bucket: the same tokens as the reference backend, every plan fenced by its own event."""
     log = fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(runner_module, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(registry, "check_flashinfer", lambda *args: None)
     options = dict(device="cpu", dtype="bfloat16", num_pages=300, max_num_seqs=12,
                    decode_buckets=BUCKETS)
     prompts = random_prompts(VOCAB, [3 + 7 * i for i in range(11)], seed=4)
@@ -157,7 +162,7 @@ def test_kernels_are_built_at_start_up_under_a_status_line(
     fake_flashinfer.install(monkeypatch)
     built = []
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
-    with caplog.at_level(logging.INFO, logger="nanoqwen.attention_flashinfer"):
+    with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
         assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
     assert built == [(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA)]
     assert "compiling flashinfer kernels" in status_screen.getvalue()

@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from nanoqwen import LLM, LLMEngine, SamplingParams, StepError
 from oracle import (
     check_page_accounting,
     greedy,
@@ -15,6 +13,8 @@ from oracle import (
     random_prompts,
     run_to_completion,
 )
+
+from nanoqwen import LLM, LLMEngine, SamplingParams, StepError
 
 MIXED_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 129, 200, 300]
 

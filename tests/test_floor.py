@@ -11,11 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from bench_decode import PhaseTimer
-from bench_floor import SPLIT, FloorRecorder, StepShape, measure_floor, replay_floor
-from nanoqwen import LLMEngine, SamplingParams
 from test_bench import TINY_SHAPE, run_bench
+
+from nanoqwen import LLMEngine, SamplingParams
+from tools.bench_decode import PhaseTimer
+from tools.bench_floor import (
+    SPLIT,
+    FloorRecorder,
+    StepShape,
+    measure_floor,
+    replay_floor,
+)
 
 
 def dense_modules(engine: LLMEngine) -> dict[str, torch.nn.Module]:

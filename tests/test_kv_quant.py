@@ -17,24 +17,31 @@ states how far off it may be and why:
 import logging
 
 import click
+import fake_flashinfer
 import pytest
 import torch
 from click.testing import CliRunner
+from cuda_helpers import build_model_64
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import fake_flashinfer
-from cuda_helpers import build_model_64
-from nanoqwen import LLM, LLMEngine, attention_flashinfer, runner as runner_module
-from nanoqwen.attention import AttentionBackend, ReferenceBackend
-from nanoqwen.attention_flashinfer import FlashInferBackend, flashinfer_unsupported_reason
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
-from nanoqwen.kv_pool import TENSOR_SCALE, KVPool, dequantize, quantize
-from nanoqwen.runner import attention_backend_class
 from oracle import greedy, hf_last_logits, random_prompts, run_to_completion
 from test_attention import HEAD_DIM, HEADS, ROWS, Row, random_step
+
+from nanoqwen import LLM, LLMEngine
+from nanoqwen.attention import flashinfer_backend as attention_flashinfer
+from nanoqwen.attention import registry
+from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.attention.flashinfer_backend import (
+    FlashInferBackend,
+    flashinfer_unsupported_reason,
+)
+from nanoqwen.attention.reference import ReferenceBackend
+from nanoqwen.attention.registry import attention_backend_class
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.config import KV_CACHE_DTYPES, EngineConfig
+from nanoqwen.memory.kv_pool import TENSOR_SCALE, KVPool, dequantize, quantize
+from nanoqwen.weights.checkpoint import read_checkpoint
 
 QUANTIZED = ["int8", "fp8_e4m3"]
 CPU = torch.device("cpu")
@@ -327,7 +334,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     outputs part earlier than with a scale per vector (on some prompts at the first token),
     but only where float32 itself nearly hesitated."""
     log = fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(runner_module, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(registry, "check_flashinfer", lambda *args: None)
     monkeypatch.setattr(attention_flashinfer, "flashinfer_unsupported_reason", lambda *args: None)
     memory = 400_000
     options = dict(attention_backend="flashinfer", kv_cache_memory=memory)
@@ -358,7 +365,7 @@ def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_
 ) -> None:
     """The backend choice alone (nothing runs on the device): fp8 asks flashinfer for its
     fp8 kernels; int8, which it has none for, gets the torch backend and one warning."""
-    model_config = ModelConfig.from_pretrained(model_64_dir)
+    model_config = read_checkpoint(model_64_dir).model_config
     built = []
     fake_flashinfer.install(monkeypatch)  # so that `import flashinfer` works
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))

@@ -11,13 +11,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle import check_page_accounting, greedy, random_prompts
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention_torch import TorchBackend
-from nanoqwen.batch import ScheduledBatch
-from nanoqwen.memory_profile import Overhead, kv_budget, profile_overhead, worst_step
-from nanoqwen.runner import GatheredSampler
-from oracle import check_page_accounting, greedy, random_prompts
+from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.runner.memory_profile import (
+    Overhead,
+    kv_budget,
+    profile_overhead,
+    worst_step,
+)
+from nanoqwen.runner.runner import GatheredSampler
+from nanoqwen.scheduling.batch import ScheduledBatch
 
 GIB = 2**30
 VOCAB = 800

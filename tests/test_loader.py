@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import greedy, hf_greedy, hf_last_logits, random_prompts
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM
-from nanoqwen.config import ModelConfig
-from nanoqwen.loader import load_model, resolve_model_path
-from oracle import hf_greedy, hf_last_logits, random_prompts, greedy
-from checkpoints import build_qwen2, build_qwen3
+from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
+from nanoqwen.weights.loader import load_model
+from tools.checkpoints import build_qwen2, build_qwen3
 
 
 def copy_checkpoint(source: str, destination: Path) -> Path:
@@ -29,8 +29,9 @@ def rewrite_weights(model_dir: Path, edit) -> None:
 
 
 def test_fused_parameters_hold_the_checkpoint_blocks(model_dir: str) -> None:
-    config = ModelConfig.from_pretrained(model_dir)
-    model = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    checkpoint = read_checkpoint(model_dir)
+    config = checkpoint.model_config
+    model = load_model(checkpoint, torch.float32, torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ours, theirs = model.model.layers[1], hf.model.layers[1]
     q, k, v = ours.self_attn.qkv_proj.weight.split(

@@ -10,17 +10,24 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+from server_helpers import (
+    GREEDY,
+    LONG_RUNNING,
+    MESSAGES,
+    call,
+    open_stream,
+    running_server,
+    scrape,
+    slow_down,
+    wait_until,
+)
 
 from nanoqwen import LLM, LLMEngine
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import EngineConfig
-from nanoqwen.request import Request, Status
-from nanoqwen.waiting_queue import WaitingQueue, urgency
-from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
-from server_helpers import (
-    GREEDY, LONG_RUNNING, MESSAGES, call, open_stream, running_server, scrape, slow_down,
-    wait_until,
-)
+from nanoqwen.scheduling.request import Request, Status
+from nanoqwen.scheduling.waiting_queue import WaitingQueue, urgency
 
 VOCAB = 800
 

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import gguf
 import pytest
-
-from nanoqwen import LLM
-from nanoqwen.config import ModelConfig, WeightQuantization
-from nanoqwen.tokenizer import Tokenizer
 from gguf_files import F, all_of, k_quant_mix, write_gguf
 from oracle import greedy, hf_greedy, random_prompts
 from quantized_helpers import build_wide, quantized_llm
-from checkpoints import IM_END, build_qwen3, generate_corpus
+
+from nanoqwen import LLM
+from nanoqwen.text.tokenizer import Tokenizer
+from nanoqwen.weights.checkpoint import read_checkpoint
+from nanoqwen.weights.formats import WeightQuantization
+from tools.checkpoints import IM_END, build_qwen3, generate_corpus
 
 FILE_TYPES = {"F16": all_of(F.F16), "BF16": all_of(F.BF16), "Q8_0": all_of(F.Q8_0), "Q4_K_M": k_quant_mix}
 # What the run-time quantization follows by default: the bits most of the matrices have.
@@ -43,7 +44,7 @@ def test_greedy_matches_transformers_gguf_loading(
     wide_dirs: dict[str, str], tmp_path: Path, architecture: str, file_type: str
 ) -> None:
     path = write_gguf(wide_dirs[architecture], tmp_path / "model.gguf", FILE_TYPES[file_type])
-    assert ModelConfig.from_pretrained(path).quantization == DEFAULT_QUANTIZATION[file_type]
+    assert read_checkpoint(path).quantization == DEFAULT_QUANTIZATION[file_type]
     llm = quantized_llm(path, "none")
     prompts = random_prompts(800, [5, 40], seed=21)
     for prompt, output in zip(prompts, llm.generate(prompts, greedy(8))):
@@ -52,7 +53,7 @@ def test_greedy_matches_transformers_gguf_loading(
 
 def test_float32_file_runs_like_the_checkpoint_it_was_written_from(model_dir: str, tmp_path: Path) -> None:
     path = write_gguf(model_dir, tmp_path / "model.gguf", all_of(F.F32))
-    ours, source = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(model_dir)
+    ours, source = read_checkpoint(path).model_config, read_checkpoint(model_dir).model_config
     shape = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
              "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
     assert {k: getattr(ours, k) for k in shape} == {k: getattr(source, k) for k in shape}

@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from nanoqwen import LLM
-from nanoqwen.config import ModelConfig, PackedWeights, WeightQuantization
-from nanoqwen.gptq_awq import dequantize
-from nanoqwen.quantization import tensor_bytes
 from oracle import greedy, hf_greedy, random_prompts
 from packed_checkpoints import Layout, pack, quantize, write_packed_checkpoint
 from quantized_helpers import build_wide, largest_greedy_gap, quantized_llm
+from safetensors.torch import load_file, save_file
+
+from nanoqwen import LLM
+from nanoqwen.weights.checkpoint import read_checkpoint
+from nanoqwen.weights.formats import PackedWeights, WeightQuantization
+from nanoqwen.weights.gptq_awq import dequantize
+from nanoqwen.weights.quantization import tensor_bytes
 
 LAYOUTS = {
     "gptq-int4-g128": Layout("gptq", 4, 128, symmetric=True),
@@ -66,7 +67,7 @@ def test_checkpoint_generates_like_its_dequantized_model(
     wide_dirs: dict[str, str], tmp_path: Path, architecture: str, layout_name: str, default: WeightQuantization
 ) -> None:
     packed_dir, dequantized_dir = write_packed_checkpoint(wide_dirs[architecture], tmp_path, LAYOUTS[layout_name])
-    assert ModelConfig.from_pretrained(packed_dir).quantization == default
+    assert read_checkpoint(packed_dir).quantization == default
     llm = quantized_llm(packed_dir, "none")
     prompts = random_prompts(800, [6, 45], seed=31)
     for prompt, output in zip(prompts, llm.generate(prompts, greedy(8))):

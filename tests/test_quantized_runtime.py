@@ -10,25 +10,31 @@ to ~0.8 on these random weights (whose logits spread ~1.3).
 
 import logging
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
-
-import click
-from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.config import EngineConfig, ModelConfig, WeightQuantization
-from nanoqwen.loader import load_model
-from nanoqwen.quantization import int4_group_size, tensor_bytes, weight_memory_bytes
 from oracle import greedy, hf_greedy, random_prompts
 from quantized_helpers import largest_greedy_gap, quantized_llm
+from torch import nn
+
+from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.config import EngineConfig
+from nanoqwen.weights.checkpoint import read_checkpoint
+from nanoqwen.weights.formats import WeightQuantization
+from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.quantization import (
+    int4_group_size,
+    tensor_bytes,
+    weight_memory_bytes,
+)
 
 NEAR_TIE = {"int8": 0.1, "int4": 1.0}
 CPU = torch.device("cpu")
 
 
 def load(model_dir: str, dtype: torch.dtype, quantization: str) -> nn.Module:
-    return load_model(model_dir, ModelConfig.from_pretrained(model_dir), dtype, CPU, quantization)
+    return load_model(read_checkpoint(model_dir), dtype, CPU, quantization)
 
 
 def decoder_linears(model: nn.Module) -> list[nn.Linear]:
@@ -82,7 +88,7 @@ def test_greedy_output_agrees_with_full_precision_up_to_near_ties(
 
 
 def test_weights_take_the_bytes_their_format_says(qwen3_dir: str) -> None:
-    config = ModelConfig.from_pretrained(qwen3_dir)
+    config = read_checkpoint(qwen3_dir).model_config
     dense = load(qwen3_dir, torch.bfloat16, "none")
     # Every parameter once: the lm_head is the embedding (tied), counted once.
     assert weight_memory_bytes(dense) == 2 * sum(p.numel() for p in dense.parameters())
@@ -108,7 +114,7 @@ def test_int4_group_size_divides_every_layer() -> None:
 
 
 def test_int4_in_float32_warns_once_and_keeps_full_weights(qwen2_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="nanoqwen.quantization"):
+    with caplog.at_level(logging.WARNING, logger="nanoqwen.weights.quantization"):
         llm = quantized_llm(qwen2_dir, "int4")
     assert [record.getMessage() for record in caplog.records] == [
         "int4 weight-only matmuls are fast only in bfloat16, not float32 (use dtype='bfloat16'); "
@@ -126,8 +132,8 @@ def test_a_missing_kernel_falls_back_to_full_weights_with_one_warning(
 
     # tinygemm's CUDA layout: quantizing for it on the CPU fails for want of its kernel.
     cuda_only = Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d", set_inductor_config=False)
-    monkeypatch.setattr("nanoqwen.quantization.torchao_config", lambda *args: (cuda_only, ""))
-    with caplog.at_level(logging.WARNING, logger="nanoqwen.quantization"):
+    monkeypatch.setattr("nanoqwen.weights.quantization.torchao_config", lambda *args: (cuda_only, ""))
+    with caplog.at_level(logging.WARNING, logger="nanoqwen.weights.quantization"):
         model = load(qwen3_dir, torch.bfloat16, "int4")
     assert len(caplog.records) == 1
     assert "int4 weight-only quantization failed for 8 of 8 linear layers" in caplog.records[0].getMessage()

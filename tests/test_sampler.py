@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from nanoqwen.sampler import Sampler, SamplingParams, make_generator
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.sampler import Sampler, make_generator
 
 VOCAB = 50
 

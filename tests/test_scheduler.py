@@ -5,9 +5,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLM, LLMEngine, SamplingParams
-from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 
 VOCAB = 800
 

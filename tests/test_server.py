@@ -26,9 +26,27 @@ import openai
 import pytest
 from click.testing import CliRunner
 from server_helpers import (
-    ABORTS, ENGINE_OPTIONS, GREEDY, JSON, LONG_RUNNING, MESSAGES, MODEL, REPO_ROOT,
-    assert_error_shape, call, client_for, connect, good_request_succeeds, no_pages_held,
-    open_stream, raw_request, running_server, scrape, send_slowly, slow_down, wait_until,
+    ABORTS,
+    ENGINE_OPTIONS,
+    GREEDY,
+    JSON,
+    LONG_RUNNING,
+    MESSAGES,
+    MODEL,
+    REPO_ROOT,
+    assert_error_shape,
+    call,
+    client_for,
+    connect,
+    good_request_succeeds,
+    no_pages_held,
+    open_stream,
+    raw_request,
+    running_server,
+    scrape,
+    send_slowly,
+    slow_down,
+    wait_until,
 )
 
 from nanoqwen import LLM, SamplingParams

@@ -19,9 +19,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from server_helpers import (
-    GREEDY, LONG_RUNNING, MESSAGES, MODEL, assert_error_shape, call, client_for,
-    good_request_succeeds, no_pages_held, open_stream, raw_request, read_until_closed,
-    running_server, scrape, send_slowly, slow_down, split_response, sse_data, wait_until,
+    GREEDY,
+    LONG_RUNNING,
+    MESSAGES,
+    MODEL,
+    assert_error_shape,
+    call,
+    client_for,
+    good_request_succeeds,
+    no_pages_held,
+    open_stream,
+    raw_request,
+    read_until_closed,
+    running_server,
+    scrape,
+    send_slowly,
+    slow_down,
+    split_response,
+    sse_data,
+    wait_until,
 )
 
 from nanoqwen import SamplingParams, StepError

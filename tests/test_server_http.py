@@ -11,8 +11,19 @@ from collections.abc import Iterator
 
 import pytest
 from server_helpers import (
-    GREEDY, LONG_RUNNING, MODEL, assert_error_shape, call, client_for, raw_request, read_until_closed,
-    running_server, scrape, slow_down, split_response, sse_data,
+    GREEDY,
+    LONG_RUNNING,
+    MODEL,
+    assert_error_shape,
+    call,
+    client_for,
+    raw_request,
+    read_until_closed,
+    running_server,
+    scrape,
+    slow_down,
+    split_response,
+    sse_data,
 )
 
 from nanoqwen import LLM, SamplingParams

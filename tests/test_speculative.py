@@ -11,16 +11,16 @@ import torch
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle import check_page_accounting, greedy, random_prompts
 
 from nanoqwen import LLM, LLMEngine, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.kv_pool import KVPool
-from nanoqwen.request import Request, Status
-from nanoqwen.sampler import Sampler
-from nanoqwen.speculative import NgramIndex
-from nanoqwen.verification import sample_with_drafts
-from checkpoints import TINY_VOCAB_SIZE, build_qwen3, synthetic_tokenizer
-from oracle import check_page_accounting, greedy, random_prompts
+from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.sampling.sampler import Sampler
+from nanoqwen.scheduling.request import Request, Status
+from nanoqwen.speculative.proposers import NgramIndex
+from nanoqwen.speculative.verification import sample_with_drafts
+from tools.checkpoints import TINY_VOCAB_SIZE, build_qwen3, synthetic_tokenizer
 
 VOCAB = 800
 

@@ -21,24 +21,34 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch.distributed.run import main as torchrun
-
-from checkpoints import build_qwen2
 from gguf_files import F, all_of, write_gguf
-from nanoqwen import LLM, SamplingParams, StepError
-from nanoqwen.attention import AttentionMetadata
-from nanoqwen.batch import ScheduledBatch, StepInputs, build_step_inputs
-from nanoqwen.config import ModelConfig
-from nanoqwen.distributed import WorkerFailure
-from nanoqwen.loader import load_model
-from nanoqwen.parallel import TensorParallel, TensorSlice, check_tensor_parallel
-from nanoqwen.request import Request
-from nanoqwen.step_broadcast import METADATA_INTS, METADATA_TENSORS, STEP_TENSORS
 from oracle import greedy, random_prompts
 from packed_checkpoints import Layout, write_packed_checkpoint
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from server_helpers import wait_until
+from torch.distributed.run import main as torchrun
+
+from nanoqwen import LLM, SamplingParams, StepError
+from nanoqwen.attention.base import AttentionMetadata
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.parallel.sharding import (
+    TensorParallel,
+    TensorSlice,
+    check_tensor_parallel,
+)
+from nanoqwen.parallel.step_broadcast import (
+    METADATA_INTS,
+    METADATA_TENSORS,
+    STEP_TENSORS,
+)
+from nanoqwen.parallel.workers import WorkerFailure
+from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.scheduling.request import Request
+from nanoqwen.weights.checkpoint import read_checkpoint
+from nanoqwen.weights.loader import load_model
+from tools.checkpoints import build_qwen2
 
 VOCAB = 800
 # Small pages, a small pool, small chunks and few sequences at a time: prefills are
@@ -252,7 +262,7 @@ def test_three_ranks_cannot_split_four_heads(model: str, request: pytest.Fixture
 def test_shapes_that_do_not_split_are_named(
     size: int, shape: dict, message: str, qwen2_dir: str
 ) -> None:
-    config = dataclasses.replace(ModelConfig.from_pretrained(qwen2_dir), **shape)
+    config = dataclasses.replace(read_checkpoint(qwen2_dir).model_config, **shape)
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(config, size)
 
@@ -286,13 +296,14 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(
     """Loading needs no other rank: every rank's weights, loaded alone, are the slices of
     the full model's, and the loader reads nothing more than those slices."""
     model_dir = request.getfixturevalue(model)
-    config = ModelConfig.from_pretrained(model_dir)
-    full = load_model(model_dir, config, torch.float32, torch.device("cpu"))
-    monkeypatch.setattr("nanoqwen.loader.safe_open", SliceOnlyFile)
+    checkpoint = read_checkpoint(model_dir)
+    config = checkpoint.model_config
+    full = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr("nanoqwen.weights.loader.safe_open", SliceOnlyFile)
     for rank in range(size):
         SliceOnlyFile.elements_read = 0
         tp = TensorParallel(rank, size)
-        shard = load_model(model_dir, config, torch.float32, torch.device("cpu"), tp=tp)
+        shard = load_model(checkpoint, torch.float32, torch.device("cpu"), tp=tp)
         params = dict(shard.named_parameters())
         for name, tensor in params.items():
             expected = expected_slice(name, full, config, tp)

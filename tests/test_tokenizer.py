@@ -13,8 +13,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from nanoqwen import SamplingParams
-from nanoqwen.tokenizer import FALLBACK_SAMPLING, IncrementalDetokenizer, Tokenizer
-from checkpoints import END_OF_TEXT, IM_END, IM_START, build_qwen3, build_tokenizer
+from nanoqwen.text.detokenizer import IncrementalDetokenizer
+from nanoqwen.text.tokenizer import FALLBACK_SAMPLING, Tokenizer
+from tools.checkpoints import (
+    END_OF_TEXT,
+    IM_END,
+    IM_START,
+    build_qwen3,
+    build_tokenizer,
+)
 
 MULTILINGUAL_TEXT = "你好世界，今天天气很好 😀🎉 café naïve Łódź 丐丑 done"
 

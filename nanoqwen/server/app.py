@@ -22,57 +22,26 @@ import socket
 import threading
 import time
 from contextlib import suppress
-from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from nanoqwen.engine import LLMEngine
 from nanoqwen.metrics import ServerMetrics
 from nanoqwen.server.engine_loop import EngineLoop, NotServing
 from nanoqwen.server.protocol import APIError
 from nanoqwen.server.routes import OpenAIHandler
+from nanoqwen.server.settings import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUE,
+    MAX_BODY_BYTES,
+    READ_TIMEOUT_SECONDS,
+    ServerSettings,
+)
 
 logger = logging.getLogger("nanoqwen.server")
 
-DEFAULT_MAX_QUEUE = 256
-DEFAULT_MAX_CONNECTIONS = 1024
-MAX_BODY_BYTES = 4 << 20  # a full context of token ids, as JSON, fits easily
-READ_TIMEOUT_SECONDS = 10.0
 SHUTDOWN_GRACE_SECONDS = 2.0
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model_name: str  # what /v1/models lists, responses echo, and requests must name
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
-    max_queue: int = DEFAULT_MAX_QUEUE  # sequences that may wait beyond max_num_seqs
-    request_timeout: float | None = None  # seconds before an unfinished request is aborted
-    max_body_bytes: int = MAX_BODY_BYTES
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    read_timeout: float = READ_TIMEOUT_SECONDS  # to receive a request's headers and body
-    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own; "*": any
-
-    def __post_init__(self) -> None:
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty (leave it unset for no key)")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("request_timeout", "read_timeout"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("max_body_bytes", "max_connections"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for origin in self.allowed_origins:
-            parts = urlsplit(origin)
-            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc
-                                  or parts.path or parts.query):
-                raise ValueError(f"allowed_origins: {origin!r} is not an origin such as "
-                                 "http://localhost:3000 (scheme, host, port; no path)")
-
 
 class OpenAIServer(ThreadingHTTPServer):
     """`serve_forever()` answers requests until `shutdown()`; `server_close()` then aborts

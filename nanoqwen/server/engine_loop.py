@@ -45,8 +45,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from nanoqwen.engine import LLMEngine, RequestOutput, StepError
-from nanoqwen.sampler import SamplingParams
+from nanoqwen.engine import LLMEngine
+from nanoqwen.outputs import RequestOutput, StepError
+from nanoqwen.sampling.params import SamplingParams
 
 logger = logging.getLogger("nanoqwen.server")
 

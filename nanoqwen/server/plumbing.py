@@ -43,16 +43,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from nanoqwen.engine import RequestOutput
+from nanoqwen.metrics import ServerMetrics
+from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
 from nanoqwen.server.protocol import APIError, bad_request
 from nanoqwen.server.responses import usage
-
-if TYPE_CHECKING:
-    from nanoqwen.server.app import OpenAIServer
+from nanoqwen.server.settings import ServerSettings
 
 logger = logging.getLogger("nanoqwen.server")
 
@@ -141,11 +140,19 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+class ServerState(Protocol):
+    """What a handler reads of the server that accepted its connection (`app.OpenAIServer`)."""
+
+    settings: ServerSettings
+    is_loopback: bool
+    metrics: ServerMetrics
+
+
 class HTTPHandler(BaseHTTPRequestHandler):
     """One connection, one request: read it against its deadline, check who sends it, hand it
     to `_dispatch` (a subclass's routes), answer it, count it and log it once."""
 
-    server: OpenAIServer
+    server: ServerState
     protocol_version = "HTTP/1.0"
 
     def version_string(self) -> str:

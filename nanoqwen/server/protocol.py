@@ -21,8 +21,8 @@ from typing import Any
 import jinja2
 
 from nanoqwen.engine import LLMEngine, Prompt
-from nanoqwen.sampler import SamplingParams
-from nanoqwen.waiting_queue import check_priority
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.scheduling.waiting_queue import check_priority
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanoqwen.engine import RequestOutput
+from nanoqwen.outputs import RequestOutput
 
 
 class CompletionsAPI:

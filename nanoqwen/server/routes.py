@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import ClassVar
 
-from nanoqwen.engine import RequestOutput
 from nanoqwen.metrics import CONTENT_TYPE
+from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
 from nanoqwen.server.engine_loop import NotServing, QueueFull, RequestFailed, Submission
 from nanoqwen.server.plumbing import HTTPHandler

@@ -1,0 +1,6 @@
+"""Attention over a paged KV cache: one page-table format, one interface, three kernels.
+
+Read `base.py` (the CSR page table every backend reads, and the interface), `reference.py`
+(the textbook version, and the oracle), `torch_backend.py` (the fast CPU path),
+`flashinfer_backend.py` (CUDA kernels) and `registry.py` (which one serves a model).
+"""

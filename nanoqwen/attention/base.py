@@ -1,0 +1,115 @@
+"""Attention over a paged KV cache: one metadata format, one interface, one reference.
+
+In transformers each request has its own contiguous KV tensor. Here the keys and values
+of a whole batch live scattered across pages of the shared pool (`kv_pool.py`), so an
+attention kernel needs to know, for each request, which query tokens are new this step
+and which pages hold its keys. We describe that with flashinfer's CSR page table, for a
+batch of `B` requests and `T` new tokens:
+
+* `qo_indptr[B+1]`: request `b`'s new tokens are rows `qo_indptr[b]:qo_indptr[b+1]`.
+* `kv_indptr[B+1]`, `kv_indices`: request `b`'s pages are
+  `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, in token order.
+* `kv_last_page_len[B]`: how many slots of its last page are filled (1..page_size),
+  counting this step's new tokens. So its KV length is `(num_pages - 1) * page_size + last`.
+* `positions[T]`: each new token's position in its sequence (RoPE uses it).
+* `slot_mapping[T]`: the flat pool slot (`page * page_size + offset`) each new token's
+  K/V is written to.
+
+A prefill with a cached prefix, a decode, and any mix of them in one batch are all the
+same thing in this format: a request whose last `q_len` tokens are new and attend
+causally to everything before them.
+
+Each backend does two things per step: `plan(metadata)` once (shared by every layer),
+then `forward(layer, q, k, v)` per layer, which stores the new K/V in their slots and
+attends. `ReferenceBackend` below is the textbook version, request by request; the fast
+torch backend (`attention_torch.py`) and flashinfer's CUDA kernels
+(`attention_flashinfer.py`) compute the same thing from the same metadata, and the tests
+hold both to this one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from nanoqwen.memory.kv_pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    """The page table of one step, on the model's device (see the module docstring)."""
+
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [num_pages_in_batch]
+    kv_last_page_len: torch.Tensor  # int32 [B]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    # Host-side sizes, so backends can shape their buffers without asking the device.
+    max_q_len: int
+    max_kv_len: int
+    # The same CSR arrays on the host (pinned on CUDA). Backends plan on the host; handing
+    # them these instead of the device tensors spares a device-to-host wait.
+    qo_indptr_host: torch.Tensor | None = None
+    kv_indptr_host: torch.Tensor | None = None
+    kv_last_page_len_host: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+    def q_lens(self) -> torch.Tensor:
+        return self.qo_indptr[1:] - self.qo_indptr[:-1]
+
+    def on_host(self, name: str) -> torch.Tensor:
+        """`qo_indptr`, `kv_indptr` or `kv_last_page_len` on the host."""
+        host = getattr(self, f"{name}_host")
+        # Metadata built without host copies still works, at the price of a device round trip.
+        return host if host is not None else getattr(self, name).cpu()
+
+
+class AttentionBackend(ABC):
+    """Plan once per step from the page table, then attend once per layer."""
+
+    # Can a decode step's kernels be recorded in a CUDA graph? Only if `plan` writes the
+    # step's page table into buffers that stay put (see `cuda_graph.py`).
+    supports_cuda_graphs = False
+    # Does it read a quantized pool's scales per (token, KV head)? Else one per tensor.
+    per_vector_kv_scales = True
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[T, heads, dim]`, k and v `[T, kv_heads, dim]` → output `[T, heads, dim]`."""
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store this step's keys and values in their pool slots (quantized, if it is)."""
+        self.pool.write(layer, k, v, slots)
+
+    def bind_graph_buffers(
+        self,
+        batch_size: int,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+    ) -> None:
+        """Plan decode steps of `batch_size` requests into these fixed page-table buffers."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")
+
+

@@ -1,0 +1,260 @@
+"""flashinfer's paged-attention CUDA kernels behind the same interface as the torch backends.
+
+flashinfer reads the CSR page table of `attention.py` natively: it was designed around it.
+It splits attention into `plan` (on the host: read the page table, split the work across
+thread blocks, copy that schedule to the device) and `run` (the kernels). A step is
+planned once, and every layer then calls `run`. That split is also what lets decode steps
+be replayed from CUDA graphs: see `cuda_graph.py` for why `plan` stays outside the graph.
+
+flashinfer ships its kernels as CUDA sources: `plan` compiles the one a model needs with
+nvcc the first time it is asked for (minutes), and later loads it from flashinfer's cache
+on disk. So whether flashinfer can serve a model is only known once its kernels are built.
+`check_flashinfer` builds them at start-up, by planning and running each kind of step once
+on a tiny pool, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
+that won't load) the runner falls back to the torch backend, saying why.
+
+A KV cache in fp8 (`kv_cache_dtype="fp8_e4m3"`) is read by the same kernels, planned with
+`kv_data_type` fp8: they take one scale for all of a layer's keys and one for its values
+(`k_scale`, `v_scale` in `run`), so the pool is built without per-vector scales
+(`kv_pool.py`). flashinfer has no int8 KV kernels: an int8 cache runs on the torch backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.memory.kv_pool import TENSOR_SCALE, KVPool
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.runner.step_inputs import StepInputsBuilder
+
+logger = logging.getLogger(__name__)
+# Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
+console = Console(stderr=True)
+
+# The head sizes asked of flashinfer (every Qwen2/Qwen3 model uses 64 or 128): the common
+# ones its kernels are built for. A build that fails costs minutes, so no other is tried.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+# flashinfer's examples use 128 MiB; serving engines give it more, as a large prefill
+# split into many pieces keeps their partial results there. One buffer serves every
+# wrapper, since a step runs only one of them.
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
+# With at least this many query heads per KV head, decode is faster on tensor cores: the
+# kernel stacks a group's heads into the rows of one matrix multiply (flashinfer's advice).
+TENSOR_CORE_MIN_GROUP_SIZE = 4
+
+
+def flashinfer_unsupported_reason(
+    head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> str | None:
+    """Why flashinfer cannot run a model of this head size and dtype with KV pages stored
+    in `kv_dtype`, or None if it might."""
+    if dtype not in FLASHINFER_DTYPES:
+        return f"flashinfer runs float16 and bfloat16 only, not {dtype}"
+    if kv_dtype not in (dtype, torch.float8_e4m3fn):
+        return f"flashinfer reads KV pages in the model's dtype or fp8_e4m3, not {kv_dtype}"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        supported = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+        return f"flashinfer has no kernels for head_dim {head_dim} (it supports {supported})"
+    try:
+        import flashinfer  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "flashinfer":
+            return f"flashinfer failed to import: {error}"
+        return "flashinfer is not installed (pip install -e \".[cuda]\")"
+    # An extension built for another torch or CUDA can fail to load in other ways too.
+    except (ImportError, OSError, RuntimeError) as error:
+        return f"flashinfer failed to import: {error}"
+    return None
+
+
+def check_flashinfer(
+    model_config: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
+    """None once the kernels this model needs (with KV pages in `kv_dtype`) are built (or
+    loaded from flashinfer's cache) and have run on `device`; otherwise why flashinfer
+    cannot serve the model here."""
+    if device.type != "cuda":
+        return f"flashinfer needs a CUDA device, not {device}"
+    reason = flashinfer_unsupported_reason(model_config.head_dim, dtype, kv_dtype)
+    if reason is not None:
+        return reason
+    start = time.perf_counter()
+    try:
+        status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
+        with console.status(status):
+            warm_up_kernels(model_config, page_size, dtype, kv_dtype, device)
+    # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
+    # flashinfer raises many kinds of errors, and each means it cannot serve this model.
+    except Exception as error:
+        logger.debug("flashinfer's kernels failed to build or run", exc_info=True)
+        cause = (str(error).strip().splitlines() or [""])[0]
+        return f"flashinfer could not build or run its kernels ({type(error).__name__}: {cause})"
+    logger.info("flashinfer kernels ready in %.1f s", time.perf_counter() - start)
+    return None
+
+
+def warm_up_kernels(
+    model_config: ModelConfig,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Plan and run a prefill and a decode of one request on a throwaway one-layer pool.
+
+    Planning is what makes flashinfer build or load a kernel, so this makes it get every
+    kernel a step of this model can use (the graph buckets' decode wrappers run the same
+    decode kernel); running them checks that they load and launch.
+    """
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    head_dim = model_config.head_dim
+    pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
+    pool = KVPool(
+        1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device,
+        storage_dtype=kv_dtype, per_vector_scales=FlashInferBackend.per_vector_kv_scales,
+    )
+    backend = FlashInferBackend(pool, heads, kv_heads, head_dim)
+    for num_tokens in (2, 1):  # a prefill, then a decode
+        builder = StepInputsBuilder(page_size)
+        builder.add_row([0] * num_tokens, 0, pages[: -(-num_tokens // page_size)], 0)
+        backend.plan(builder.build(device, [], []).metadata)
+        q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
+        k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        backend.forward(0, q, k, v)
+    torch.cuda.synchronize(device)
+
+
+class FencedWrapper:
+    """A flashinfer wrapper, and the CUDA event that keeps its `plan` from racing the GPU."""
+
+    def __init__(self, wrapper: Any, planned: torch.cuda.Event) -> None:
+        self.wrapper = wrapper
+        self.planned = planned
+
+    def plan(self, *args: Any, **kwargs: Any) -> None:
+        # `plan` writes its schedule into a pinned host buffer of the wrapper's and queues an
+        # async copy of it to the GPU. Planning again before that copy has run (when nothing
+        # waited for the GPU in between, as after a step that sampled nothing) would rewrite
+        # the buffer under it, and the earlier step would attend with the later schedule. So
+        # wait for the event recorded behind the last copy. It is recorded after `plan`, not
+        # after `run`: a replayed CUDA graph launches the kernels without calling `run`.
+        self.planned.synchronize()
+        self.wrapper.plan(*args, **kwargs)
+        self.planned.record()
+
+    def run(
+        self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], **scales: float
+    ) -> torch.Tensor:
+        return self.wrapper.run(q, kv_cache, **scales)
+
+
+class FlashInferBackend(AttentionBackend):
+    """flashinfer's kernels, fed the same page table as the torch backends.
+
+    Each step is planned once into one wrapper, and every layer then calls its `run`:
+
+    * the prefill wrapper when some request has more than one new token: causal attention
+      of the new tokens over the cached prefix and themselves (decodes in a mixed step are
+      just one-token rows of it);
+    * the decode wrapper when every request has one new token, on tensor cores for large
+      query groups;
+    * for a CUDA-graph bucket, that bucket's own decode wrapper, whose page-table buffers
+      are fixed (`bind_graph_buffers`), so a replayed graph finds each step's plan where
+      the captured kernels look for it.
+
+    Every wrapper is a `FencedWrapper` with its own event, since each has its own staging
+    buffer. All wrappers share one workspace buffer, allocated here. New keys and values
+    are stored with the same indexed copy into `slot_mapping` as the torch backend uses
+    (cast to fp8 first, for an fp8 pool), which a CUDA graph replays like any other kernel.
+    """
+
+    supports_cuda_graphs = True
+    per_vector_kv_scales = False
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        device, dtype, kv_dtype = pool.kv.device, pool.dtype, pool.kv.dtype
+        reason = flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
+        if reason is not None:
+            raise ValueError(reason)
+        if pool.scales is not None:
+            raise ValueError("flashinfer takes one KV scale per tensor, not one per vector")
+        import flashinfer
+
+        # flashinfer requires the workspace to be zeroed before its first use.
+        self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
+        self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
+        # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
+        self.kv_scales = (
+            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if pool.is_quantized else {}
+        )
+        self.prefill_wrapper = self._fenced(
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        )
+        self.decode_wrapper = self._fenced(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+            )
+        )
+        self.graph_decode_wrappers: dict[int, FencedWrapper] = {}
+
+    @staticmethod
+    def _fenced(wrapper: Any) -> FencedWrapper:
+        return FencedWrapper(wrapper, torch.cuda.Event())
+
+    def bind_graph_buffers(
+        self,
+        batch_size: int,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+    ) -> None:
+        import flashinfer
+
+        self.graph_decode_wrappers[batch_size] = self._fenced(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=kv_indptr,
+                paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=kv_last_page_len,
+            )
+        )
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        kv_indptr = metadata.on_host("kv_indptr")
+        last_page_len = metadata.on_host("kv_last_page_len")
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size)
+        if metadata.is_decode:
+            self.wrapper = self.graph_decode_wrappers.get(metadata.batch_size, self.decode_wrapper)
+            self.wrapper.plan(
+                kv_indptr, metadata.kv_indices, last_page_len, *shape, **self.data_types
+            )
+        else:
+            qo_indptr = metadata.on_host("qo_indptr")
+            self.wrapper = self.prefill_wrapper
+            self.wrapper.plan(
+                qo_indptr, kv_indptr, metadata.kv_indices, last_page_len, *shape,
+                causal=True, **self.data_types,
+            )
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.write_kv(layer, k, v, self.metadata.slot_mapping)
+        return self.wrapper.run(q, self.pool.layer_cache(layer), **self.kv_scales)

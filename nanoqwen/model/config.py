@@ -1,0 +1,84 @@
+"""The model's shape: the only facts the decoder needs about a checkpoint.
+
+`ModelConfig` is read from transformers' config object (`config.json`, or a GGUF file's
+metadata turned into one by `weights/`). The decoder in `qwen.py` is built from it alone;
+the transformers config rides along because its rotary-embedding helpers need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape: the only facts `qwen.py` needs about a checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 adds a bias to the q, k and v projections
+    qk_norm: bool  # Qwen3 RMS-normalises each head of q and k before RoPE
+    max_position_embeddings: int
+    rope_type: str
+    hf_config: PretrainedConfig
+
+    @classmethod
+    def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:
+        architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}: nanoqwen runs "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r}: nanoqwen supports "
+                + ", ".join(SUPPORTED_ROPE_TYPES)
+            )
+        is_qwen3 = architecture == "Qwen3ForCausalLM"
+        return cls(
+            architecture=architecture,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            qkv_bias=bool(getattr(hf, "attention_bias", False)) if is_qwen3 else True,
+            qk_norm=is_qwen3,
+            max_position_embeddings=hf.max_position_embeddings,
+            rope_type=rope_type,
+            hf_config=hf,
+        )
+
+
+def resolve_max_model_len(wanted: int | None, model_config: ModelConfig) -> int:
+    """The longest sequence served: the model's trained context unless told otherwise.
+
+    Only a model with RoPE scaling may be asked to go past what it was trained on.
+    """
+    trained = model_config.max_position_embeddings
+    if wanted is None:
+        return trained
+    if wanted > trained and model_config.rope_type == "default":
+        raise ValueError(
+            f"max_model_len={wanted} exceeds the model's max_position_embeddings={trained}"
+        )
+    return wanted

@@ -1,0 +1,211 @@
+"""CUDA graphs for decode steps: record the forward pass once, replay it every step.
+
+Why. A decode step pushes one token per request through the whole model: hundreds of
+small kernels. On a GPU, launching each of them from Python takes longer than running
+it, so without help the GPU mostly waits for the host. A CUDA graph records the kernel
+launches of one forward pass once; replaying it launches them all with a single call.
+
+The catch is that a graph is frozen: every replay runs the same kernels on the same
+shapes, reading and writing the same addresses. Four ideas make decode fit that mould:
+
+* **Buckets.** One graph per batch size: 1, 2, 4, 8, then every multiple of 8 up to
+  `max_num_seqs` (at most 256; bigger steps are long enough that launches don't matter).
+  A step of B decodes is padded to the smallest bucket that holds it.
+* **Static buffers.** Each step copies its token ids, positions, K/V slots and page table
+  into tensors that never move, and the graph leaves its logits in another. All buckets
+  share one set, sized for the largest; bucket b uses the first b rows.
+* **A scratch page.** Padding rows must be harmless: each is a one-token request on the
+  pool's scratch page (`kv_pool.py`), and its logits row is dropped.
+* **Plan outside the graph.** Only flashinfer's `run` is captured, never its `plan`
+  (`attention_flashinfer.py`). Before every replay, `plan` runs with the new page table
+  and writes its schedule into fixed buffers that the captured kernels read.
+
+Graphs are captured at start-up (`capture_all`, once the KV pool they read exists),
+largest bucket first, all sharing one memory pool: the temporaries of a forward pass live
+in that pool for as long as the graph does, and the smaller graphs fit in the space the
+largest one needed. Prefill and mixed steps, and decode steps above the largest bucket,
+run eagerly.
+
+On the CPU there are no graphs, but the runner works the same way: it pads to a bucket,
+copies through the static buffers and calls the model. By default the CPU runs every
+step eagerly (padding only costs time there); asking for `decode_buckets` turns the
+runner on, which is how the tests check bucket choice, padding and the scratch page.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+
+import torch
+
+from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.config import EngineConfig
+from nanoqwen.model.config import ModelConfig
+from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.scheduling.batch import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+# Bigger decode steps run long enough that launch overhead no longer matters.
+MAX_BUCKET = 256
+DEFAULT_BUCKETS = [1, 2, 4, 8, *range(16, MAX_BUCKET + 1, 8)]
+# The page-table tensors of a step, copied into the static buffers of the same name.
+STEP_TENSORS = (
+    "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping"
+)
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to the first bucket that holds `max_num_seqs` (capped)."""
+    last = bisect.bisect_left(DEFAULT_BUCKETS, min(max_num_seqs, MAX_BUCKET))
+    return DEFAULT_BUCKETS[: last + 1]
+
+
+def can_capture(
+    device: torch.device, backend_class: type[AttentionBackend], model_config: ModelConfig
+) -> bool:
+    """Graphs need CUDA, a backend that plans into fixed buffers, and a forward pass that
+    never reads device values on the host (dynamic RoPE does, to pick its scaling)."""
+    return (
+        device.type == "cuda"
+        and backend_class.supports_cuda_graphs
+        and model_config.rope_type != "dynamic"
+    )
+
+
+def decode_buckets(
+    config: EngineConfig, model_config: ModelConfig, backend_class: type[AttentionBackend]
+) -> list[int]:
+    """The batch sizes decode steps are padded to; none means every step runs eagerly."""
+    if config.enforce_eager:
+        return []
+    if config.decode_buckets is not None:
+        return list(config.decode_buckets)
+    if not can_capture(config.device, backend_class, model_config):
+        return []
+    return default_buckets(config.max_num_seqs)
+
+
+class DecodeGraphRunner:
+    """Runs decode steps padded to a bucket through static buffers, replaying a CUDA graph
+    per bucket where graphs can be captured, and calling the model eagerly elsewhere."""
+
+    def __init__(
+        self,
+        model: QwenForCausalLM,
+        backend: AttentionBackend,
+        buckets: list[int],
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.buckets = sorted(buckets)
+        self.page_size = backend.pool.page_size
+        self.device = backend.pool.kv.device
+        largest = self.buckets[-1]
+        max_pages = largest * -(-max_model_len // self.page_size)
+        int32 = {"dtype": torch.int32, "device": self.device}
+        int64 = {"dtype": torch.int64, "device": self.device}
+        self.input_ids = torch.zeros(largest, **int64)
+        self.static = AttentionMetadata(
+            qo_indptr=torch.zeros(largest + 1, **int32),
+            kv_indptr=torch.zeros(largest + 1, **int32),
+            kv_indices=torch.zeros(max_pages, **int32),
+            kv_last_page_len=torch.zeros(largest, **int32),
+            positions=torch.zeros(largest, **int64),
+            slot_mapping=torch.zeros(largest, **int64),
+            max_q_len=1,
+            max_kv_len=0,
+        )
+        # Every row of a bucket gets logits: a graph cannot know which rows are padding.
+        # (With tensor parallelism they are this rank's slice of the vocabulary.)
+        self.all_rows = torch.arange(largest, device=self.device)
+        self.logits = torch.zeros(
+            largest, model.lm_head.out_features, dtype=model.lm_head.weight.dtype,
+            device=self.device,
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if backend.supports_cuda_graphs:
+            for bucket in self.buckets:
+                backend.bind_graph_buffers(
+                    bucket,
+                    self.static.kv_indptr[: bucket + 1],
+                    self.static.kv_indices,
+                    self.static.kv_last_page_len[:bucket],
+                )
+
+    # ----------------------------------------------------------------- per step
+    def bucket_for(self, batch: ScheduledBatch) -> int | None:
+        """The bucket a decode-only batch pads to; None for other steps and oversized ones."""
+        if len(batch) > self.buckets[-1] or not batch.is_decode_only():
+            return None
+        return self.buckets[bisect.bisect_left(self.buckets, len(batch))]
+
+    def handles(self, metadata: AttentionMetadata) -> bool:
+        """Is this a step padded to one of the buckets?"""
+        return metadata.is_decode and metadata.batch_size in self.buckets
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits for the sampled rows, `[S, vocab]`, of a step padded to a bucket."""
+        metadata = self.load(inputs)
+        self.backend.plan(metadata)
+        graph = self.graphs.get(metadata.batch_size)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.run_model(metadata)
+        return self.logits[inputs.sample_rows]
+
+    def load(self, inputs: StepInputs) -> AttentionMetadata:
+        """Copy a step into the static buffers; return its page table viewing them."""
+        self.input_ids[: inputs.input_ids.numel()].copy_(inputs.input_ids)
+        views = {}
+        for name in STEP_TENSORS:
+            step_tensor = getattr(inputs.metadata, name)
+            views[name] = getattr(self.static, name)[: step_tensor.numel()]
+            views[name].copy_(step_tensor)
+        # Host-side fields (sizes, the host copies flashinfer plans from) stay the step's.
+        return dataclasses.replace(inputs.metadata, **views)
+
+    def run_model(self, metadata: AttentionMetadata) -> None:
+        bucket = metadata.batch_size
+        logits = self.model(self.input_ids[:bucket], metadata, self.backend, self.all_rows[:bucket])
+        self.logits[:bucket].copy_(logits)
+
+    # ----------------------------------------------------------------- start-up
+    def capture_all(self) -> None:
+        """Record every bucket's graph, where graphs can be captured (a no-op elsewhere).
+
+        Capture records on the current CUDA device, so the caller makes the pool's current.
+        """
+        if not can_capture(self.device, type(self.backend), self.model.config):
+            return
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        pool = None
+        # Largest first: the smaller graphs then fit in the pool the largest one made.
+        for bucket in reversed(self.buckets):
+            pool = self.capture(bucket, pool)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d decode CUDA graphs for batch sizes %d-%d in %.1f s (%.0f MiB)",
+            len(self.graphs), self.buckets[0], self.buckets[-1], time.perf_counter() - start,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+        )
+
+    def capture(self, bucket: int, pool: tuple[int, int] | None) -> tuple[int, int]:
+        """Record the forward pass of `bucket` padding rows; return the graph's memory pool."""
+        no_requests = ScheduledBatch([], [])
+        metadata = self.load(build_step_inputs(no_requests, self.page_size, self.device, bucket))
+        self.backend.plan(metadata)
+        # Lazy set-up (loading kernels, creating library handles) cannot happen during a
+        # capture, so run once eagerly first.
+        self.run_model(metadata)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.run_model(metadata)
+        self.graphs[bucket] = graph
+        return graph.pool()

@@ -1,0 +1,144 @@
+"""One step's work, flattened into the tensors the model and the attention backends read.
+
+The scheduler decides a step in requests and token counts (`ScheduledBatch`: request `i`
+computes its next `num_new_tokens[i]` tokens). The model wants flat tensors instead: the
+new tokens of every request back to back in one `[T]` vector, each with its position, plus
+the page table of `attention.py` saying whose keys live where, the slot each new K/V goes
+to, and the rows whose logits get sampled. A request samples the rows from its last
+accepted token on: one row when it is decoding or finishing its prompt, none for a
+prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` draft tokens to
+verify (`speculative.py`): the logits after each draft say whether it was right.
+`build_step_inputs` makes that `StepInputs`.
+
+The lists are built on the host, where the page tables live, and copied to the device in
+one go per tensor (from pinned memory, without waiting, on CUDA). The page-table arrays
+are kept on the host as well, for backends that plan on the host.
+
+A step can be padded with extra rows to a fixed batch size, which CUDA graphs need
+(`cuda_graph.py`). A padding row is a request like any other to the model: one token at
+position 0 on the pool's scratch page (`kv_pool.py`), and its logits are never sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoqwen.attention.base import AttentionMetadata
+from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.scheduling.request import Request
+
+# What a padding row feeds the model. Any valid id does: its result is never read.
+PADDING_ROW_TOKEN_ID = 0
+
+
+@dataclass
+class StepInputs:
+    """A batch laid out for the model; `sample_rows` index into the `T` new tokens."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # int64 [S]
+    sampled_requests: list[Request]  # whose logits `sample_rows` are, in order
+    num_sampled_rows: list[int]  # how many consecutive rows each of them has
+
+
+class StepInputsBuilder:
+    """Appends a step's rows (one per request) as host lists, then makes the tensors."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.qo_indptr, self.kv_indptr = [0], [0]
+        self.kv_indices: list[int] = []
+        self.last_page_len: list[int] = []
+        self.sample_rows: list[int] = []
+        self.max_q_len = self.max_kv_len = 0
+
+    def add_row(self, token_ids: list[int], start: int, pages: list[int], num_sampled: int) -> None:
+        """A request computing `token_ids` at positions `start, start + 1, ...`, the last
+        `num_sampled` of them sampled.
+
+        `pages` are its pages up to and including the one holding its last new token.
+        """
+        page_size, end = self.page_size, start + len(token_ids)
+        if len(token_ids) == 1:  # a decode: the common case, kept cheap for big batches
+            self.input_ids.append(token_ids[0])
+            self.positions.append(start)
+            self.slots.append(pages[-1] * page_size + start % page_size)
+        else:
+            self.input_ids.extend(token_ids)
+            self.positions.extend(range(start, end))
+            self.slots.extend(
+                pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end)
+            )
+        self.qo_indptr.append(self.qo_indptr[-1] + len(token_ids))
+        self.kv_indptr.append(self.kv_indptr[-1] + len(pages))
+        self.kv_indices.extend(pages)
+        self.last_page_len.append(end - (len(pages) - 1) * page_size)
+        self.max_q_len = max(self.max_q_len, len(token_ids))
+        self.max_kv_len = max(self.max_kv_len, end)
+        end_row = self.qo_indptr[-1]
+        self.sample_rows.extend(range(end_row - num_sampled, end_row))
+
+    def add_padding_row(self) -> None:
+        self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], num_sampled=0)
+
+    def build(
+        self, device: torch.device, sampled_requests: list[Request], num_sampled_rows: list[int]
+    ) -> StepInputs:
+        def on_host(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            # Pinned memory lets the copy to the GPU run without the host waiting for it.
+            return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+
+        def on_device(host: torch.Tensor) -> torch.Tensor:
+            return host.to(device, non_blocking=True)
+
+        qo_indptr = on_host(self.qo_indptr, torch.int32)
+        kv_indptr = on_host(self.kv_indptr, torch.int32)
+        last_page_len = on_host(self.last_page_len, torch.int32)
+        metadata = AttentionMetadata(
+            qo_indptr=on_device(qo_indptr),
+            kv_indptr=on_device(kv_indptr),
+            kv_indices=on_device(on_host(self.kv_indices, torch.int32)),
+            kv_last_page_len=on_device(last_page_len),
+            positions=on_device(on_host(self.positions, torch.int64)),
+            slot_mapping=on_device(on_host(self.slots, torch.int64)),
+            max_q_len=self.max_q_len,
+            max_kv_len=self.max_kv_len,
+            qo_indptr_host=qo_indptr,
+            kv_indptr_host=kv_indptr,
+            kv_last_page_len_host=last_page_len,
+        )
+        return StepInputs(
+            input_ids=on_device(on_host(self.input_ids, torch.int64)),
+            metadata=metadata,
+            sample_rows=on_device(on_host(self.sample_rows, torch.int64)),
+            sampled_requests=sampled_requests,
+            num_sampled_rows=num_sampled_rows,
+        )
+
+
+def build_step_inputs(
+    batch: ScheduledBatch, page_size: int, device: torch.device, pad_to: int = 0
+) -> StepInputs:
+    """Lay a batch out for the model, with padding rows up to `pad_to` requests."""
+    builder = StepInputsBuilder(page_size)
+    sampled: list[Request] = []
+    num_sampled_rows: list[int] = []
+    for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        start = batch.start(index)
+        end = start + num_new
+        num_sampled = batch.num_sampled_rows(index)
+        pages = request.pages[: -(-end // page_size)]
+        builder.add_row(request.tokens_with_drafts(start, end), start, pages, num_sampled)
+        if num_sampled:
+            sampled.append(request)
+            num_sampled_rows.append(num_sampled)
+    for _ in range(len(batch.requests), pad_to):
+        builder.add_padding_row()
+    return builder.build(device, sampled, num_sampled_rows)

@@ -1,0 +1,127 @@
+"""`SamplingParams`: how to pick one request's next token, and when to stop generating.
+
+Every field is checked here, once, when the object is made, and a bad value raises a
+`ValueError` that names the field: a sampler handed a `SamplingParams` never has to ask.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+# Below this temperature the sampled distribution is the argmax up to float precision, while
+# dividing by it could overflow the logits to inf; such rows are sampled greedily (as in vLLM).
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token of one request, and when to stop generating.
+
+    ``stop`` and ``stop_token_ids`` are normalised to (possibly empty) lists.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.temperature = _real("temperature", self.temperature)
+        self.top_p = _real("top_p", self.top_p)
+        self.top_k = _integer("top_k", self.top_k)
+        self.min_p = _real("min_p", self.min_p)
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty)
+
+        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", ">= 0 (0 disables it)", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, "in [-2, 2]", value)
+
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+            _check(_MIN_SEED <= self.seed <= _MAX_SEED, "seed", "a 64-bit integer", self.seed)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty when there are none)."""
+        return list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request always takes the most likely token."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _real(name: str, value: object) -> float:
+    # bool is an int subclass, but True as a temperature is a bug, not a number.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in strings):
+        raise ValueError("stop must not contain empty strings (they would match immediately)")
+    return list(strings)
+
+
+def _stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
+            raise ValueError(f"stop_token_ids must hold ints >= 0, got {token_id!r}")
+    return [int(token_id) for token_id in ids]

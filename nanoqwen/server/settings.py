@@ -1,0 +1,42 @@
+"""The server's settings: who may call, how much may wait, and how long anything may take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_CONNECTIONS = 1024
+MAX_BODY_BYTES = 4 << 20  # a full context of token ids, as JSON, fits easily
+READ_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # what /v1/models lists, responses echo, and requests must name
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_queue: int = DEFAULT_MAX_QUEUE  # sequences that may wait beyond max_num_seqs
+    request_timeout: float | None = None  # seconds before an unfinished request is aborted
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    read_timeout: float = READ_TIMEOUT_SECONDS  # to receive a request's headers and body
+    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own; "*": any
+
+    def __post_init__(self) -> None:
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        for name in ("request_timeout", "read_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for origin in self.allowed_origins:
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc
+                                  or parts.path or parts.query):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin such as "
+                                 "http://localhost:3000 (scheme, host, port; no path)")

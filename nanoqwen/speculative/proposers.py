@@ -1,0 +1,298 @@
+"""Speculative decoding: guess a few tokens cheaply, let the target model check them at once.
+
+A decode step pushes one token per request through the whole model. On a GPU that step is
+memory-bound (every weight is read for a handful of tokens); on a CPU each step pays a
+fixed overhead. Either way, checking several tokens of one request costs little more than
+computing one. So a *proposer* guesses each request's next `k` tokens, and the step
+computes them as `k + 1` new tokens of the request's row (its last accepted token, then
+the drafts), next to everyone else's rows. The logits at each position say whether the
+next draft was right (`verification.py`): the request keeps the drafts up to the first
+wrong one, plus one token of the target's own. A step yields 1 to `k + 1` tokens per
+request, and greedy output is exactly what it is without speculation.
+
+Two proposers:
+
+* `NgramProposer` (prompt lookup): find the latest earlier occurrence of the request's
+  last `n` tokens in its own tokens, for `n` from `ngram_max` down to `ngram_min`, and
+  propose what followed it. It costs a dictionary lookup and wins where outputs copy
+  their input (code edits, summaries, answers quoting a document). When nothing matches
+  it proposes nothing, and the step is an ordinary one.
+* `DraftModelProposer`: a smaller model with the same tokenizer, run by its own
+  `ModelRunner`, proposes `k` tokens one at a time.
+
+A step's drafts live on their requests (`Request.draft_token_ids`), from `propose(batch)`,
+right after the schedule is made, to `settle(...)`, right after the engine has appended
+the accepted tokens through its stop checks:
+
+1. `propose` gives every row that reaches its request's last token up to `k` drafts (no
+   more than `max_tokens` and `max_model_len` leave room for, and only as many as pages
+   can be had for without preempting anyone: `Scheduler.make_room_for_drafts`).
+2. The runner computes the rows and verifies the drafts.
+3. `settle` counts what was accepted and, for requests still running, rolls the rejected
+   drafts back (`Scheduler.settle_drafts`): their K/V slots are forgotten, the pages past
+   the request's new length are freed, and the prefix cache never sees them.
+
+**The draft model's KV cache** is a second pool with the same page size and page count
+as the target's, addressed by the *same page numbers*: the K/V of token `i` of a request
+sits in page `pages[i // page_size]` of both pools. So one set of page tables, reference
+counts, prefix cache, preemption and rollback serves both models, under one invariant: a
+request's first `num_computed_tokens` tokens have K/V in both pools. To keep it, the draft
+model first runs every row of the target's step (the same prefill chunks: it prefills
+chunk by chunk with the target), then proposes, and after its last draft runs one more
+pass so that every draft has draft K/V too: whichever prefix of the drafts is accepted,
+both pools hold it, and a page the prefix cache adopts is complete in both.
+
+**CUDA graphs: verification steps run eagerly.** Their rows are `1 + k` tokens long, with
+`k` varying by request and step (an n-gram proposes 0 to `k` tokens), so they are shaped
+like a small prefill, not a decode: graphs would need a bucket per (batch size, row
+length) pair and flashinfer's prefill kernel planned into fixed buffers. A verification
+step also does `k + 1` tokens of work per request, which dilutes the launch overhead that
+graphs remove. Steps where nothing was proposed are plain decodes and still replay the
+decode graphs, and so do the draft model's one-token passes, through its own runner.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.config import EngineConfig
+from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.sampling.sampler import draw
+from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.scheduling.request import Request, Status
+from nanoqwen.scheduling.scheduler import Scheduler
+from nanoqwen.speculative.verification import DraftRow
+from nanoqwen.text.tokenizer import Tokenizer
+from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation achieved so far, as `LLMEngine.stats()` reports it."""
+
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, the ones the target agreed with
+    verifications: int = 0  # request-steps that verified at least one draft
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_verifications": self.verifications,
+            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            # Tokens one verification yields: the accepted drafts, plus the target's own.
+            "spec_mean_accepted_length": (
+                (self.accepted + self.verifications) / self.verifications
+                if self.verifications
+                else 0.0
+            ),
+        }
+
+
+class Proposer:
+    """Attaches draft tokens to a step's rows and settles them after verification. This
+    base class proposes nothing: it is the engine's proposer when speculation is off."""
+
+    def __init__(
+        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpeculationStats()
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Give rows of `batch` that reach their request's last token some draft tokens."""
+
+    def wanted(self, batch: ScheduledBatch, index: int) -> int:
+        """How many drafts row `index` may carry: none unless it reaches the request's last
+        token, and never more than the request can still generate."""
+        if not batch.reaches_last_token(index):
+            return 0
+        request = batch.requests[index]
+        left = min(
+            request.params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        return max(0, min(self.num_speculative_tokens, left - 1))  # the target adds one
+
+    def reserve(self, batch: ScheduledBatch, index: int, num_drafts: int) -> int:
+        """Pages for row `index` to carry `num_drafts` drafts; how many it may carry."""
+        end = batch.start(index) + batch.num_new_tokens[index]
+        return self.scheduler.make_room_for_drafts(batch.requests[index], end, num_drafts)
+
+    def settle(self, sampled: Sequence[tuple[Request, list[int]]]) -> None:
+        """After the new tokens are appended: count, and roll back rejected drafts."""
+        for request, new_tokens in sampled:
+            if not request.draft_token_ids:
+                continue
+            self.stats.proposed += len(request.draft_token_ids)
+            self.stats.accepted += len(new_tokens) - 1
+            self.stats.verifications += 1
+            if request.status is Status.RUNNING:
+                self.scheduler.settle_drafts(request)
+            else:  # finished by one of its new tokens: its pages are released already
+                request.draft_token_ids, request.draft_probs = [], None
+
+    def discard(self, batch: ScheduledBatch) -> None:
+        """Forget the drafts of a step that failed before its tokens were appended."""
+        for request in batch.requests:
+            request.draft_token_ids, request.draft_probs = [], None
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n-gram."""
+
+    def __init__(
+        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int,
+        ngram_min: int, ngram_max: int,
+    ) -> None:
+        super().__init__(scheduler, num_speculative_tokens, max_model_len)
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        # One index per request, dropped with the request itself.
+        self.indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        for index, request in enumerate(batch.requests):
+            wanted = self.wanted(batch, index)
+            if not wanted:
+                continue
+            lookup = self.indexes.setdefault(request, NgramIndex(self.ngram_min, self.ngram_max))
+            drafts = lookup.propose(request.token_ids, wanted)
+            if drafts:  # pages only for what was found
+                drafts = drafts[: self.reserve(batch, index, len(drafts))]
+                request.draft_token_ids = drafts
+                batch.num_new_tokens[index] += len(drafts)
+
+
+class NgramIndex:
+    """For one growing list of tokens: the n-grams (of every length from `min_n` to `max_n`)
+    that were followed by a token, each mapped to the position of that token in its latest
+    occurrence. Appended tokens are indexed as they come, so a lookup costs O(1), not a
+    scan of the text."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.follower: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 1  # followers at positions below this are in `follower`
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        """Up to `count` tokens continuing the latest earlier occurrence of the longest
+        suffix of `tokens` (from `max_n` down to `min_n` tokens) seen before; [] if none."""
+        for follower in range(self.num_indexed, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, follower) + 1):
+                self.follower[tuple(tokens[follower - n : follower])] = follower
+        self.num_indexed = max(self.num_indexed, len(tokens))
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = self.follower.get(tuple(tokens[len(tokens) - n :]))
+            if start is not None:
+                return overlapping_copy(tokens, start, count)
+        return []
+
+
+def overlapping_copy(tokens: list[int], start: int, count: int) -> list[int]:
+    """`count` tokens copied from `tokens[start:]`, the copy running on into itself past
+    the end (as in LZ77): a repeating pattern proposes its own next repeats."""
+    copied: list[int] = []
+    for position in range(start, start + count):
+        past_the_end = position - len(tokens)
+        copied.append(tokens[position] if past_the_end < 0 else copied[past_the_end])
+    return copied
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model of the same tokenizer proposes each request's next tokens."""
+
+    def __init__(
+        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int,
+        runner: ModelRunner, vocab_size: int,
+    ) -> None:
+        super().__init__(scheduler, num_speculative_tokens, max_model_len)
+        self.runner = runner  # the draft model's, on a pool mirroring the target's pages
+        self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        num_drafts = {}
+        for index in range(len(batch)):
+            wanted = self.wanted(batch, index)
+            if wanted:
+                num_drafts[index] = self.reserve(batch, index, wanted)
+        sampled = [index for index in range(len(batch)) if batch.reaches_last_token(index)]
+        # The target's rows first, so the draft's K/V keeps up with the target's.
+        logits = self._logits(batch)
+        rows = [row for row, index in enumerate(sampled) if num_drafts.get(index)]
+        drafting = [sampled[row] for row in rows]
+        self._extend([batch.requests[i] for i in drafting], logits[rows])
+        # Then one token per pass: the K/V of the latest draft, and the logits of the next.
+        targets = {batch.requests[i]: num_drafts[i] for i in drafting}
+        for position in range(max(targets.values(), default=0)):
+            feeding = [r for r, count in targets.items() if count > position]
+            logits = self._logits(ScheduledBatch(
+                feeding, [1] * len(feeding), starts=[r.num_tokens + position for r in feeding]
+            ))
+            growing = [row for row, r in enumerate(feeding) if targets[r] > position + 1]
+            self._extend([feeding[row] for row in growing], logits[growing])
+        for index in drafting:
+            batch.num_new_tokens[index] += len(batch.requests[index].draft_token_ids)
+
+    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The draft model's logits for the sampled rows of `batch`, in the target's vocabulary."""
+        logits = self.runner.forward(self.runner.prepare(batch))
+        vocab = logits.shape[-1]
+        if vocab >= self.vocab_size:  # checkpoints pad their vocabularies differently
+            return logits[:, : self.vocab_size]
+        return F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
+
+    def _extend(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Sample one more draft for each request, as the request's own params would, and
+        keep the distribution it came from where verification needs it (sampled requests)."""
+        if not requests:
+            return
+        rows = [DraftRow(request, len(request.draft_token_ids)) for request in requests]
+        q = self.runner.sampler.distribution(logits, rows)
+        tokens = draw(q.clone(), rows).tolist()
+        for request, token_id, probs in zip(requests, tokens, q):
+            request.draft_token_ids.append(token_id)
+            if not request.params.is_greedy:
+                rows = [] if request.draft_probs is None else [request.draft_probs]
+                request.draft_probs = torch.cat([*rows, probs[None]])
+
+
+def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoint | None:
+    """The draft model asked for, checked to speak the target's tokenizer; None without one."""
+    if config.speculative != "draft":
+        return None
+    checkpoint = open_checkpoint(config.draft_model)
+    if Tokenizer(checkpoint.path).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"draft_model {config.draft_model!r} does not share the target model's tokenizer"
+        )
+    return checkpoint
+
+
+def make_proposer(
+    config: EngineConfig,
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    draft: Checkpoint | None,
+) -> Proposer:
+    """The proposer `config` asks for (one that proposes nothing without speculation). A
+    draft model gets its own runner, on a pool with the target runner's page count."""
+    k, max_model_len = config.num_speculative_tokens, runner.max_model_len
+    if config.speculative == "ngram":
+        return NgramProposer(scheduler, k, max_model_len, config.ngram_min, config.ngram_max)
+    if draft is None:
+        return Proposer(scheduler, k, max_model_len)
+    draft_runner = ModelRunner(
+        config, draft, max_model_len,
+        num_pages=runner.pool.num_pages,
+    )
+    return DraftModelProposer(
+        scheduler, k, max_model_len, draft_runner, runner.vocab_size
+    )

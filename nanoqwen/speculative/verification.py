@@ -1,0 +1,161 @@
+"""Verification: keep the draft tokens the target model agrees with, and stay exact.
+
+Speculative decoding (`speculative.py`) guesses a request's next `k` tokens cheaply and
+lets the target model check them all in one forward pass: the request's row in the step
+is its last accepted token followed by the `k` drafts, and the lm_head runs on all
+`k + 1` positions. Row `i`'s logits are the target's prediction for the token after
+draft `i` (row 0: after the last accepted token), so they say whether draft `i + 1` was
+right, and the last row predicts one token beyond the drafts. Each request turns its
+`k + 1` rows into between 1 and `k + 1` new tokens:
+
+* **Greedy requests** accept the longest prefix of drafts equal to the target's argmax,
+  then take the target's argmax at the first disagreement (or, all drafts accepted,
+  after the last draft: the *bonus* token). The tokens are exactly what decoding one at
+  a time would have produced.
+* **Sampled requests** use rejection sampling (Leviathan et al., Chen et al., 2023).
+  Draft `x` came from a distribution `q` (a draft model's, or a point mass on `x` for a
+  guess copied from the text); the target's distribution at that row is `p`. Accept `x`
+  with probability `min(1, p(x) / q(x))`; on the first rejection draw the token from the
+  residual `max(0, p - q)`, renormalised, and stop. If every draft is accepted, draw the
+  bonus token from the last row's `p`. Every emitted token is then distributed exactly as
+  if the target had sampled it alone.
+
+`p` is what the sampler would sample from at that row (`Sampler.distribution`):
+penalties, temperature, top-k, top-p and min-p included. The history those depend on
+includes the drafts before the row (`DraftRow`), as it would have had the drafts been
+generated for real. All random numbers come from the request's own generator when it is
+seeded, in a fixed order, so a seeded request's output does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.sampler import Sampler, draw, uniform_noise
+from nanoqwen.scheduling.request import Request
+
+
+class DraftRow:
+    """How the sampler sees one row of a request's draft block: the request, with the
+    drafts before this row appended to its output."""
+
+    __slots__ = ("request", "num_drafts")
+
+    def __init__(self, request: Request, num_drafts: int) -> None:
+        self.request, self.num_drafts = request, num_drafts
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.request.draft_token_ids[: self.num_drafts]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+
+def sample_with_drafts(
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+) -> list[list[int]]:
+    """Each request's new tokens, from its `1 + len(draft_token_ids)` consecutive rows of
+    `logits`: the accepted drafts, then one token of the target's own."""
+    if not any(request.draft_token_ids for request in requests):
+        return [[token_id] for token_id in sampler.sample(logits, requests)]
+    blocks, num_rows = [], 0  # each request's rows
+    for request in requests:
+        blocks.append(range(num_rows, num_rows + 1 + len(request.draft_token_ids)))
+        num_rows = blocks[-1].stop
+    if logits.shape[0] != num_rows:
+        raise ValueError(f"expected {num_rows} rows of logits, got {logits.shape[0]}")
+    new_tokens: list[list[int]] = [[] for _ in requests]
+    for verify, greedy in ((_verify_greedy, True), (_verify_sampled, False)):
+        chosen = [i for i, request in enumerate(requests) if request.params.is_greedy == greedy]
+        if not chosen:
+            continue
+        block = logits
+        if len(chosen) < len(requests):
+            rows = [row for i in chosen for row in blocks[i]]
+            block = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        for i, tokens in zip(chosen, verify(sampler, block, [requests[i] for i in chosen])):
+            new_tokens[i] = tokens
+    return new_tokens
+
+
+def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
+    """One `DraftRow` per row of each request's draft block, in order."""
+    return [
+        DraftRow(request, i)
+        for request in requests
+        for i in range(1 + len(request.draft_token_ids))
+    ]
+
+
+def _verify_greedy(
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+) -> list[list[int]]:
+    targets = sampler.sample(logits, draft_rows(requests))
+    accepted = [draft == target for draft, target in zip(_drafts_by_row(requests), targets)]
+    return _new_tokens(requests, accepted, targets)
+
+
+def _verify_sampled(
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+) -> list[list[int]]:
+    rows = draft_rows(requests)
+    p = sampler.distribution(logits, rows)
+    q = torch.zeros_like(p)  # zero on the last row of each block: its residual is p itself
+    drafts = _drafts_by_row(requests)
+    index = torch.tensor([i for i, d in enumerate(drafts) if d is not None], dtype=torch.int64)
+    ids = torch.tensor([d for d in drafts if d is not None], dtype=torch.int64)
+    index, ids = index.to(p.device), ids.to(p.device)
+    row = 0
+    for request in requests:
+        num_drafts = len(request.draft_token_ids)
+        if request.draft_probs is None:  # a guess copied from the text: all mass on it
+            q[index[row : row + num_drafts], ids[row : row + num_drafts]] = 1.0
+        else:
+            q[index[row : row + num_drafts]] = request.draft_probs.to(q.dtype)
+        row += num_drafts
+    residual = (p - q).clamp_(min=0.0)
+    # p == q leaves no residual, and then rejection never happens; keep the row drawable.
+    empty = residual.sum(dim=-1) <= 0
+    residual[empty] = p[empty]
+    tokens = draw(residual, rows)
+    # Accept draft x with probability min(1, p(x) / q(x)): u < p(x) / q(x), u ~ U[0, 1).
+    u = uniform_noise([rows[i] for i in index.tolist()], p.device)
+    accepted = u * q[index, ids] < p[index, ids]
+    host = torch.cat([tokens, accepted.long()]).tolist()  # one device-to-host copy
+    accepted_by_row = iter(host[len(rows) :])
+    flags = [None if d is None else bool(next(accepted_by_row)) for d in drafts]
+    return _new_tokens(requests, flags, host[: len(rows)])
+
+
+def _drafts_by_row(requests: Sequence[Request]) -> list[int | None]:
+    """Row by row, the draft that row's logits check (None on each block's last row)."""
+    return [token for r in requests for token in (*r.draft_token_ids, None)]
+
+
+def _new_tokens(
+    requests: Sequence[Request], accepted: list[bool | None], tokens: list[int]
+) -> list[list[int]]:
+    """Per request: its drafts up to the first one not accepted, then the token chosen on
+    that row (`tokens`: the target's choice at every row)."""
+    new_tokens, row = [], 0
+    for request in requests:
+        drafts = request.draft_token_ids
+        num_accepted = 0
+        while num_accepted < len(drafts) and accepted[row + num_accepted]:
+            num_accepted += 1
+        new_tokens.append(drafts[:num_accepted] + [tokens[row + num_accepted]])
+        row += 1 + len(drafts)
+    return new_tokens

@@ -1,0 +1,126 @@
+"""The engine's text side: encoding prompts, and turning a stream of tokens back into text.
+
+Encoding is the easy half and belongs to the model's own tokenizer: `Tokenizer` wraps
+`transformers.AutoTokenizer` (built from the checkpoint's tokenizer files, or a GGUF file's
+metadata) and adds what an engine needs besides, the chat template rendered
+straight to ids and the set of end-of-sequence ids from `generation_config.json`.
+Streaming the text back is `detokenizer.py`'s job.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from nanoqwen.weights.gguf import is_gguf_file, load_gguf_tokenizer
+
+# The generation_config.json fields that are sampling settings, named as in SamplingParams.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# For checkpoints that publish no sampling settings: Qwen3's published chat settings.
+FALLBACK_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+class Tokenizer:
+    """A model's tokenizer, chat template and end-of-sequence ids."""
+
+    def __init__(self, path: str | Path) -> None:
+        """From a checkpoint directory, or a GGUF file (which has no generation config)."""
+        if is_gguf_file(str(path)):
+            self._hf: PreTrainedTokenizerBase = load_gguf_tokenizer(str(path))
+            generation_config = {}
+        else:
+            self._hf = AutoTokenizer.from_pretrained(path)
+            generation_config = _read_generation_config(path)
+        self.eos_token_ids: frozenset[int] = _read_eos_token_ids(
+            generation_config, self._hf.eos_token_id
+        )
+        # Sampling settings a request doesn't give itself (`SamplingParams` keywords).
+        self.sampling_defaults: dict[str, Any] = _sampling_defaults(generation_config)
+        # Streaming decodes a few tokens per request per step. The Rust tokenizer does that
+        # in a third of the time transformers' wrapper takes, which adds only an optional
+        # clean-up pass (off for Qwen's byte-level BPE).
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        self._decode = (
+            backend.decode
+            if backend is not None and not self._hf.clean_up_tokenization_spaces
+            else self._hf.decode
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no BOS/EOS are added (Qwen uses none for plain prompts)."""
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], enable_thinking: bool | None = None
+    ) -> list[int]:
+        """Prompt ids for an OpenAI-style conversation, ending with the assistant's turn header.
+
+        `enable_thinking` is a Qwen3 template variable (False pre-fills an empty reasoning
+        block); it is passed only when given, so templates that never mention it keep their
+        own default.
+        """
+        template_variables = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return self._hf.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,  # transformers 5 returns a BatchEncoding by default
+            **template_variables,
+        )
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's string and id, special tokens included."""
+        return self._hf.get_vocab()
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens including added special tokens (the model's embedding table may
+        be padded to more rows than this)."""
+        return len(self._hf)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def _read_generation_config(path: str | Path) -> dict[str, Any]:
+    """The settings `generation_config.json` spells out (none of transformers' defaults)."""
+    try:
+        return GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError:  # the checkpoint has no generation_config.json
+        return {}
+
+
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The model's recommended sampling settings, as `SamplingParams` keywords.
+
+    Chat checkpoints publish them (Qwen3: temperature 0.6, top_p 0.95, top_k 20); a request
+    that leaves a setting out gets the model's value, as vLLM does. A checkpoint that
+    publishes none gets `FALLBACK_SAMPLING`; one that asks for greedy decoding
+    (`do_sample: false`) gets temperature 0.
+    """
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    published = {
+        name: generation_config[name] for name in SAMPLING_DEFAULT_FIELDS if name in generation_config
+    }
+    return published or dict(FALLBACK_SAMPLING)
+
+
+def _read_eos_token_ids(
+    generation_config: dict[str, Any], tokenizer_eos_id: int | None
+) -> frozenset[int]:
+    """Chat checkpoints end a turn with one token and a document with another, and list both
+    in `generation_config.json`; the tokenizer knows only one. Use all of them."""
+    eos_ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
+    configured = generation_config.get("eos_token_id")
+    if isinstance(configured, int):
+        eos_ids.add(configured)
+    elif configured is not None:
+        eos_ids.update(configured)
+    return frozenset(eos_ids)
+
+

@@ -1,0 +1,158 @@
+"""Read a llama.cpp GGUF file: one file holding the config, the tokenizer and the weights.
+
+A GGUF file has no `config.json` or `tokenizer.json`. Its metadata is a flat key-value map
+under llama.cpp's names (`qwen2.block_count`, `tokenizer.ggml.merges`, ...), and each tensor
+is stored under llama.cpp's name (`blk.0.attn_q.weight`) in a type of its own: F32, F16 or
+BF16, or a block quantization such as Q8_0 (32 int8 codes and one scale) or the k-quants
+Q4_K/Q5_K/Q6_K (256-value super-blocks of 16- or 32-value sub-blocks, each with its own
+scale). A "Q4_K_M" file mixes several of these.
+
+Libraries do the reading: transformers turns the metadata into a config and a tokenizer
+with its chat template (`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=name)`),
+and the `gguf` package maps tensor names and dequantizes every type to float32. What is
+left to us is small: naming each tensor as transformers does, so the loader can fuse it
+like any checkpoint, and two facts transformers does not read from a Qwen file (head_dim,
+and rope scaling). llama.cpp permutes the q/k rows of Llama checkpoints for its rotary
+kernel, but writes Qwen2/Qwen3 unpermuted, so no rows need undoing here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+# llama.cpp's architecture name → (gguf's enum for its tensor names, transformers' class).
+ARCHITECTURES = {
+    "qwen2": (gguf.MODEL_ARCH.QWEN2, "Qwen2ForCausalLM"),
+    "qwen3": (gguf.MODEL_ARCH.QWEN3, "Qwen3ForCausalLM"),
+}
+
+
+def is_gguf_file(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def from_pretrained_arguments(path: str) -> tuple[str, dict[str, str]]:
+    """What transformers' `from_pretrained` takes to read `path`: a checkpoint directory as
+    it is, a GGUF file as its directory and `gguf_file=` its name."""
+    if not is_gguf_file(path):
+        return path, {}
+    directory, name = os.path.split(os.path.abspath(path))
+    return directory, {"gguf_file": name}
+
+
+def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
+    """The transformers config of a GGUF file, and how many bits its linear weights mostly have."""
+    reader = open_gguf(path)
+    architecture = gguf_architecture(reader, path)
+    directory, gguf_file = from_pretrained_arguments(path)
+    try:
+        hf = AutoConfig.from_pretrained(directory, **gguf_file)
+    except Exception as error:  # transformers raises many kinds on odd metadata
+        message = f"{path}: could not read the model config from its metadata: {error}"
+        raise ValueError(message) from error
+    hf.architectures = [ARCHITECTURES[architecture][1]]
+    # transformers leaves a Qwen3 file at Qwen3Config's default head_dim (128); the file says.
+    key_length = metadata(reader, f"{architecture}.attention.key_length")
+    if key_length is not None:
+        hf.head_dim = key_length
+    scaling = metadata(reader, f"{architecture}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        hf.rope_parameters = {**hf.rope_parameters, "rope_type": scaling,
+                              "factor": metadata(reader, f"{architecture}.rope.scaling.factor")}
+        original = metadata(reader, f"{architecture}.rope.scaling.original_context_length")
+        if original is not None:
+            hf.rope_parameters["original_max_position_embeddings"] = original
+    return hf, linear_weight_bits(reader)
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer and chat template stored in a GGUF file's metadata."""
+    gguf_architecture(open_gguf(path), path)
+    directory, gguf_file = from_pretrained_arguments(path)
+    try:
+        return AutoTokenizer.from_pretrained(directory, **gguf_file)
+    except Exception as error:  # transformers raises many kinds on odd metadata
+        message = f"{path}: could not build the tokenizer from its metadata: {error}"
+        raise ValueError(message) from error
+
+
+def iter_gguf_tensors(
+    path: str, checkpoint_names: Iterable[str], num_layers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, float32 tensor) for every tensor of the file, one at a time.
+
+    Tensors come named as `checkpoint_names` (transformers' names, e.g.
+    `model.layers.0.self_attn.q_proj.weight`) when one of them maps to the tensor's GGUF
+    name, and under their GGUF name otherwise, for the loader to reject as unexpected.
+    """
+    reader = open_gguf(path)
+    gguf_arch = ARCHITECTURES[gguf_architecture(reader, path)][0]
+    tensor_names = gguf.get_tensor_name_map(gguf_arch, num_layers)
+    by_gguf_name = {}
+    for name in checkpoint_names:
+        module, suffix = name.rsplit(".", 1)
+        gguf_module = tensor_names.get_name(module)
+        if gguf_module is not None:
+            by_gguf_name[f"{gguf_module}.{suffix}"] = name
+    for tensor in reader.tensors:
+        yield by_gguf_name.get(tensor.name, tensor.name), dequantize(tensor, path)
+
+
+def dequantize(tensor: gguf.ReaderTensor, path: str) -> torch.Tensor:
+    try:
+        values = gguf.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
+            "dequantized"
+        ) from error
+    # Unquantized types come back as views of the read-only memory-mapped file.
+    return torch.from_numpy(np.array(values, copy=not values.flags.writeable))
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # a damaged file fails in struct, numpy or gguf's own checks
+        raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+def gguf_architecture(reader: gguf.GGUFReader, path: str) -> str:
+    architecture = metadata(reader, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; nanoqwen runs "
+            + ", ".join(ARCHITECTURES)
+        )
+    return architecture
+
+
+def metadata(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def linear_weight_bits(reader: gguf.GGUFReader) -> int:
+    """Nominal bits per weight of the type that holds most of the decoder's matrices."""
+    elements: Counter[gguf.GGMLQuantizationType] = Counter()
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            elements[tensor.tensor_type] += int(tensor.n_elements)
+    if not elements:
+        return 32
+    # Type names carry their bits: F16, BF16, Q8_0, Q4_K, IQ2_XS, MXFP4, ...
+    return int(re.search(r"\d+", elements.most_common(1)[0][0].name).group())

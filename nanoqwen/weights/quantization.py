@@ -1,0 +1,139 @@
+"""Keep linear weights as 8- or 4-bit integers in memory: weight-only quantization.
+
+Decoding a token reads every weight of the model once, so the weights' size sets both the
+memory a model needs and, on a GPU, how fast it decodes. Weight-only quantization stores
+each linear layer's weight as small integer codes plus a few float scales, and leaves the
+activations in floating point: the matmul kernel dequantizes the codes as it reads them.
+
+* **int8**: one scale per output row, `w ≈ code * scale`, a quarter of float32's bytes.
+* **int4**: a scale and a zero point per group of `group_size` input channels,
+  `w ≈ (code - 8) * scale + zero`: an eighth of float32's bytes, plus the groups' scales.
+
+torchao does the work: `quantize_` swaps a layer's weight for a tensor subclass holding the
+codes and scales, whose matmul calls a kernel for them. Only the decoder's linear layers
+are quantized; the embedding and the lm_head stay in the model's dtype, as GPTQ and AWQ
+checkpoints keep them. Kernels exist (torchao 0.18, torch 2.13) for
+
+* int8 on any device and dtype (the codes are converted to the dtype per matmul);
+* int4 in bfloat16 only: `_weight_int4pack_mm_for_cpu` on the CPU, tinygemm on CUDA.
+  The CPU kernel accepts float32 and float16 too, but runs them 15-80x slower than a
+  dense float32 matmul, so we treat it as missing there.
+
+Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from nanoqwen.weights.formats import WeightQuantization
+
+logger = logging.getLogger(__name__)
+
+# int4 group sizes every int4 kernel above takes, largest (fewest scales) first.
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
+    """Swap the weights of the decoder's linear layers for torchao's quantized tensors, in place."""
+    linears = [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
+    weight = linears[0].weight
+    in_features = [linear.in_features for linear in linears]
+    config, reason = torchao_config(scheme, in_features, weight.device, weight.dtype)
+    if config is None:
+        logger.warning("%s; keeping the linear weights in %s", reason, _dtype_name(weight.dtype))
+        return
+    with _quiet_torchao_import():
+        from torchao.quantization import quantize_
+    failures: list[str] = []
+    for linear in linears:
+        dense = linear.weight
+        try:
+            quantize_(linear, config)
+            # Quantizing can succeed where the matmul kernel is missing: run it once.
+            with torch.inference_mode():
+                linear(torch.ones(1, linear.in_features, dtype=dense.dtype, device=dense.device))
+        except Exception as error:  # torchao reports a missing kernel in many ways
+            linear.weight = dense
+            failures.append(f"{type(error).__name__}: {error}")
+    if failures:
+        logger.warning(
+            "%s weight-only quantization failed for %d of %d linear layers (%s); they keep %s "
+            "weights",
+            scheme.mode, len(failures), len(linears), failures[0], _dtype_name(weight.dtype),
+        )
+
+
+def torchao_config(
+    scheme: WeightQuantization, in_features: list[int], device: torch.device, dtype: torch.dtype
+) -> tuple[Any, str]:
+    """torchao's config for `scheme` on this device and dtype, or None and the reason why not."""
+    with _quiet_torchao_import():
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    if scheme.mode == "int8":
+        return Int8WeightOnlyConfig(set_inductor_config=False), ""
+    if dtype != torch.bfloat16:
+        return None, (
+            f"int4 weight-only matmuls are fast only in bfloat16, not {_dtype_name(dtype)} "
+            "(use dtype='bfloat16')"
+        )
+    group_size = int4_group_size(scheme.group_size, in_features)
+    if group_size is None:
+        return None, (
+            f"no int4 group size of {INT4_GROUP_SIZES} divides every layer's inputs "
+            f"{sorted(set(in_features))}"
+        )
+    if device.type == "cuda":
+        return Int4WeightOnlyConfig(
+            group_size=group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+        ), ""
+    return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False), ""
+
+
+def int4_group_size(requested: int, in_features: list[int]) -> int | None:
+    """The largest supported group size, at most `requested`, that divides every layer's inputs."""
+    for size in INT4_GROUP_SIZES:
+        if size <= requested and all(features % size == 0 for features in in_features):
+            return size
+    return None
+
+
+def weight_memory_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters, a tied weight once, quantized ones as their
+    codes plus scales and zero points."""
+    return sum(tensor_bytes(parameter) for parameter in model.parameters())
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    if is_traceable_wrapper_subclass(tensor):  # torchao's quantized tensors
+        inner_names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in inner_names)
+    return tensor.numel() * tensor.element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """torchao tries its optional CUDA extensions on import and logs a warning for each one a
+    CPU build of torch cannot load (and torch one for each of its enums); the weight-only
+    paths used here need none of them."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for each, level in zip(loggers, levels):
+            each.setLevel(level)

@@ -1,0 +1,121 @@
+"""The decode micro-benchmark of `bench.py --decode-batch B`: what an engine step adds to
+the model's forward pass.
+
+`B` requests with `--min-input`-token prompts are prefilled until every one of them is
+decoding; from then on every step is the same shape. The benchmark times whole engine steps
+against the forward pass alone, run again and again on one step's inputs (rewriting the
+same K/V into the same slots). Their ratio is the engine's overhead over the model; the
+scheduler and input-preparation time per step is the host work that, on a GPU, decides
+whether the device waits. Engine steps and bare forwards alternate, so both see the same
+machine, and medians drop the odd stall.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nanoqwen import LLMEngine, SamplingParams
+from tools.bench_baseline import synchronize
+
+DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward passes
+
+
+class PhaseTimer:
+    """Wall time spent in each phase of `engine.step()`, summed over steps.
+
+    Installed with `engine.instrument(timer.wrap)`. On CUDA the forward pass only launches
+    kernels; the wait for them lands in "sample", where the chosen ids reach the host.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last_forward: Callable[[], Any] | None = None  # replays the latest forward pass
+
+    def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if phase == "forward":
+                self.last_forward = functools.partial(function, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+
+class PoolTooSmall(Exception):
+    """The decode batch did not fit in the KV pool (requests were preempted)."""
+
+
+def measure_decode_overhead(
+    engine: LLMEngine, timer: PhaseTimer, batch_size: int, context_len: int, token_ids: Sequence[int]
+) -> dict[str, Any]:
+    """Steady-state decode of `batch_size` requests: engine step vs. the forward pass alone.
+
+    `timer` must be installed on `engine`.
+    """
+    engine.reset_prefix_cache()
+    preemptions_before = engine.stats()["preemptions"]
+    rng = random.Random(0)
+    # Requests that finish prefill early decode while the rest prefill: leave them room.
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)
+    request_ids = [
+        engine.add_request(rng.choices(token_ids, k=context_len), params) for _ in range(batch_size)
+    ]
+    try:
+        _step_until_all_decode(engine, set(request_ids))
+        bare_forward = timer.last_forward
+        step_s, forward_s, phases_s = [], [], []
+        for _ in range(DECODE_STEPS):
+            timer.reset()
+            step_s.append(_seconds(engine.step, engine))
+            phases_s.append(dict(timer.seconds))
+            forward_s.append(_seconds(bare_forward, engine))
+        if engine.stats()["preemptions"] != preemptions_before:
+            raise PoolTooSmall(
+                f"the KV pool cannot hold {batch_size} requests of {context_len} tokens; "
+                "lower --decode-batch or give the pool more memory"
+            )
+    finally:
+        for request_id in request_ids:
+            engine.abort(request_id)
+    phases_ms = {
+        name: statistics.median(step[name] for step in phases_s) * 1000 for name in phases_s[0]
+    }
+    return {
+        "batch_size": batch_size,
+        "context_tokens": context_len,
+        "steps": DECODE_STEPS,
+        "engine_step_ms": statistics.median(step_s) * 1000,
+        "forward_ms": statistics.median(forward_s) * 1000,
+        "overhead_ratio": statistics.median(step_s) / statistics.median(forward_s),
+        "schedule_prepare_ms": phases_ms.get("schedule", 0.0) + phases_ms.get("prepare", 0.0),
+        "phases_ms_per_step": phases_ms,
+    }
+
+
+def _step_until_all_decode(engine: LLMEngine, request_ids: set[str]) -> None:
+    """Step until every request has its first token: from then on, steps are pure decode."""
+    waiting_for_first_token = set(request_ids)
+    while waiting_for_first_token:
+        for output in engine.step():
+            if output.delta_token_ids:
+                waiting_for_first_token.discard(output.request_id)
+    engine.step()  # one pure decode step untimed, as warm-up (and the forward to replay)
+
+
+def _seconds(run_once: Callable[[], object], engine: LLMEngine) -> float:
+    synchronize(engine.device)
+    start = time.perf_counter()
+    run_once()
+    synchronize(engine.device)
+    return time.perf_counter() - start
