@@ -59,6 +59,7 @@ from rich.table import Table
 from nanoqwen import LLM, RequestOutput, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import resolve_device
+from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
 from nanoqwen.text.detokenizer import partial_match_length
 from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
@@ -402,17 +403,18 @@ def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def sampling_settings(llm: LLM, options: dict[str, Any]) -> dict[str, Any]:
-    """The model's sampling defaults, overridden by the options given on the command line."""
+def sampling_params(llm: LLM, options: dict[str, Any]) -> SamplingParams:
+    """The options given on the command line; the engine fills in the rest from the
+    model's recommended settings, as for any request. Applied here too, to show them."""
     given = {name: value for name, value in options.items() if value is not None}
-    return {**llm.tokenizer.sampling_defaults, **given}
+    return SamplingParams(**given).with_defaults(llm.engine.sampling_defaults)
 
 
-def banner(llm: LLM, model: str, sampling: dict[str, Any], load_seconds: float) -> str:
+def banner(llm: LLM, model: str, params: SamplingParams, load_seconds: float) -> str:
     """What runs where, how much conversation the KV cache holds, and how replies sample."""
     config, stats = llm.engine.config, llm.stats()
     dtype = str(config.dtype).removeprefix("torch.")
-    settings = ", ".join(f"{name} {value}" for name, value in sampling.items())
+    settings = ", ".join(f"{name} {getattr(params, name)}" for name in DEFAULTABLE_SETTINGS)
     return (
         f"[bold]{escape(model)}[/] on {config.device} ({dtype}) · "
         f"{stats['pages_total'] * stats['page_size']:,} tokens of KV cache "
@@ -464,13 +466,12 @@ def main(model: str, system: str | None, no_think: bool, **options: Any) -> None
     engine = pop_engine_options(options)
     started = time.perf_counter()
     llm = load(model, console, engine)
-    sampling = sampling_settings(llm, options)
     try:
-        params = SamplingParams(**sampling)
+        params = sampling_params(llm, options)
     except ValueError as error:  # a bad value in generation_config.json
         raise click.ClickException(str(error)) from None
     if interactive:
-        console.print(banner(llm, model, sampling, time.perf_counter() - started))
+        console.print(banner(llm, model, params, time.perf_counter() - started))
         console.print(f"{HELP} · Ctrl-C stops a reply", style="dim", markup=False)
     session = ChatSession(llm, params, False if no_think else None, system, console, interactive)
     with line_history(console) if interactive else nullcontext():

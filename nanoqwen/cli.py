@@ -15,6 +15,7 @@ import click
 from nanoqwen.config import (
     ATTENTION_BACKEND_NAMES,
     DTYPES,
+    GENERATION_CONFIG_SOURCES,
     KV_CACHE_DTYPES,
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
@@ -88,6 +89,11 @@ ENGINE_OPTIONS = [
                  help="Shortest n-gram --speculative ngram looks up."),
     click.option("--ngram-max", default=engine_default("ngram_max"), type=click.IntRange(min=1),
                  help="Longest n-gram --speculative ngram looks up (tried first)."),
+    click.option("--generation-config", default=engine_default("generation_config"),
+                 type=click.Choice(GENERATION_CONFIG_SOURCES),
+                 help="Sampling settings a request leaves out: auto takes the model's "
+                      "(generation_config.json), none the neutral ones (temperature 1, "
+                      "no top-k/top-p/min-p, no repetition penalty)."),
 ]
 SPECULATIVE_OPTION_NAMES = (
     "speculative", "num_speculative_tokens", "draft_model", "ngram_min", "ngram_max",
@@ -95,8 +101,8 @@ SPECULATIVE_OPTION_NAMES = (
 ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
-    "quantization", "kv_cache_dtype", "tensor_parallel_size", "scheduling_policy", "priority_aging_steps",
-    *SPECULATIVE_OPTION_NAMES,
+    "quantization", "kv_cache_dtype", "tensor_parallel_size", "scheduling_policy",
+    "priority_aging_steps", "generation_config", *SPECULATIVE_OPTION_NAMES,
 )
 
 

@@ -16,6 +16,9 @@ import torch
 ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
+# Where sampling settings a request leaves out come from: "auto", the checkpoint's
+# generation_config.json (as vLLM's generation_config="auto"); "none", the neutral ones.
+GENERATION_CONFIG_SOURCES = ("auto", "none")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -103,6 +106,9 @@ class EngineConfig:
     draft_model: str | None = None  # a hub id or directory; implies speculative="draft"
     ngram_min: int = 2  # shortest suffix of the text to look up earlier in it
     ngram_max: int = 4  # longest one; longer suffixes are tried first
+    # "auto": sampling settings a request leaves out take the model's recommended ones
+    # (generation_config.json); "none": temperature 1, no top-k/top-p/min-p/penalty.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -137,6 +143,11 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}: use one of "
                 + ", ".join(QUANTIZATION_MODES)
+            )
+        if self.generation_config not in GENERATION_CONFIG_SOURCES:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIG_SOURCES)}, "
+                f"got {self.generation_config!r}"
             )
         self._check_kv_cache_dtype()
         if self.chunk_size is None:

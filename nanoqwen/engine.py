@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from nanoqwen.config import EngineConfig
@@ -44,6 +45,13 @@ from nanoqwen.weights.checkpoint import open_checkpoint
 from nanoqwen.weights.loader import check_splittable
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt's token ids, already checked by `LLMEngine.encode_prompt` to fit the engine."""
+
+    token_ids: list[int]
 # The phases of a step, in order, as `instrument` names them.
 STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
 PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
@@ -56,6 +64,10 @@ class LLMEngine:
         self.model_config = checkpoint.model_config
         self.tokenizer = Tokenizer(checkpoint.path)
         self.max_model_len = resolve_max_model_len(self.config.max_model_len, self.model_config)
+        # What a request's left-out sampling settings become: the one place they are set.
+        self.sampling_defaults = (
+            self.tokenizer.sampling_defaults if self.config.generation_config == "auto" else {}
+        )
         runner_args = (checkpoint, self.max_model_len)
         tp, rank_config = SINGLE, self.config
         self.workers: Workers | None = None
@@ -84,20 +96,27 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | EncodedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a prompt; returns its id. A lower `priority` is served sooner."""
+        """Queue a prompt; returns its id. A lower `priority` is served sooner.
+
+        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`).
+        Bad input raises a `ValueError` naming what is wrong, and nothing is queued.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = params.with_defaults(self.sampling_defaults)
         check_priority(priority, self.config.scheduling_policy)
-        prompt_ids = self.encode_prompt(prompt)
+        if not isinstance(prompt, EncodedPrompt):
+            prompt = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = prompt.token_ids
         request = Request(
             request_id,
             prompt_ids,
@@ -111,8 +130,12 @@ class LLMEngine:
         self.num_prompt_tokens += len(prompt_ids)
         return request_id
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt, or a ValueError saying why it can't be served."""
+    def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
+        """A prompt's token ids, checked to fit this engine, or a ValueError saying why not.
+
+        Safe to call from any thread (it reads nothing that changes), so a server tokenizes
+        on its handler threads and hands `add_request` prompts it need not check again.
+        """
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(
@@ -137,7 +160,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the KV pool holds only "
                 f"{self.pool.num_usable_pages * self.pool.page_size}"
             )
-        return ids
+        return EncodedPrompt(ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output, or None if it is unknown or done."""

@@ -3,8 +3,8 @@
 `LLMEngine` (`engine.py`) is driven one step at a time, which is what a server needs. A
 script wants less: `generate` queues many prompts and steps the engine until all are done,
 returning outputs in prompt order; `chat` renders conversations through the chat template
-first; `stream` yields one request's deltas as they are produced. Every prompt is checked
-before any is queued, so bad input in a batch queues nothing.
+first; `stream` yields one request's deltas as they are produced. Bad input in a batch
+queues nothing: the prompts queued before it are taken back.
 """
 
 from __future__ import annotations
@@ -33,18 +33,19 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`)."""
-        count = len(_as_prompt_list(prompts))
-        params_list = _as_params_list(params, count)
-        priorities = priority_list(priority, count, self.engine.config.scheduling_policy)
-        # Tokenize and validate everything before queueing anything.
-        prompt_ids = [self.engine.encode_prompt(p) for p in _as_prompt_list(prompts)]
-        ids = [
-            self.engine.add_request(p, sp, priority=rank)
-            for p, sp, rank in zip(prompt_ids, params_list, priorities)
-        ]
+        """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`).
+
+        Every prompt is queued or none is: one refused (a `ValueError`) takes back the
+        ones queued before it.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompt_list))
+        priorities = priority_list(priority, len(prompt_list))
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
+            for prompt, sampling, rank in zip(prompt_list, params_list, priorities):
+                ids.append(self.engine.add_request(prompt, sampling, priority=rank))
             while len(final) < len(ids):
                 for output in self.engine.step():
                     if output.finished:

@@ -306,7 +306,7 @@ def test_mixed_batch_rows_follow_their_own_params() -> None:
 @pytest.mark.parametrize("name,value", [
     ("temperature", -0.1), ("temperature", "1.0"), ("temperature", math.nan),
     ("temperature", math.inf), ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", None),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
     ("top_k", -1), ("top_k", 2.0), ("top_k", True),
     ("min_p", -0.01), ("min_p", 1.5),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", True), ("max_tokens", 8.0),
@@ -343,3 +343,16 @@ def test_is_greedy() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(top_k=1).is_greedy
     assert not SamplingParams(temperature=0.5).is_greedy
+
+
+def test_settings_left_out_wait_for_the_models_defaults() -> None:
+    """Left out (None), a defaultable setting holds its neutral value until `with_defaults`
+    fills it; one given stays as given, even when it equals the neutral value."""
+    params = SamplingParams(temperature=1.0, top_k=None, max_tokens=3)
+    assert params.top_k == 0 and params.unset == {"top_p", "top_k", "min_p", "repetition_penalty"}
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    filled = params.with_defaults(model)
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.min_p) == (1.0, 0.95, 20, 0.0)
+    assert filled.unset == frozenset() and filled.with_defaults({"top_k": 5}) is filled
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams().with_defaults({"top_p": 0.0})  # a model's bad value is named too

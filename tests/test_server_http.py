@@ -183,17 +183,25 @@ def test_requests_name_the_served_model_or_none(server: OpenAIServer) -> None:
         404, "model_not_found", "model")
 
 
-def test_omitted_sampling_settings_come_from_the_model(
+def test_omitted_sampling_settings_come_from_the_model_offline_and_served_alike(
     server: OpenAIServer, qwen3_dir: str
 ) -> None:
-    defaults = server.engine.tokenizer.sampling_defaults
+    """The model's recommended settings fill in what a request leaves out, in one place (the
+    engine): the same seeded request samples the same tokens offline and through the server.
+    `generation_config="none"` turns that off."""
+    defaults = server.engine.sampling_defaults
+    assert defaults == server.engine.tokenizer.sampling_defaults  # "auto", the default
     [model] = call(server, "GET", "/v1/models")[2]["data"]
     assert model["sampling_defaults"] == defaults
     prompts = ["hello world", "the lazy dog", "a b c"]
+    params = SamplingParams(seed=11, max_tokens=12)
     offline = LLM(qwen3_dir, dtype="float32", page_size=8, num_pages=256)
-    with_defaults = [out.text for out in offline.generate(
+    with_defaults = [out.text for out in offline.generate(prompts, params)]
+    assert with_defaults == [out.text for out in offline.generate(
         prompts, SamplingParams(**defaults, seed=11, max_tokens=12))]
-    plain = [out.text for out in offline.generate(prompts, SamplingParams(seed=11, max_tokens=12))]
+    neutral = LLM(qwen3_dir, dtype="float32", page_size=8, num_pages=256, generation_config="none")
+    assert neutral.engine.sampling_defaults == {}
+    plain = [out.text for out in neutral.generate(prompts, params)]
     assert with_defaults != plain  # so the comparison below can tell them apart
     body = {"prompt": prompts, "seed": 11, "max_tokens": 12}
     choices = call(server, "POST", "/v1/completions", body)[2]["choices"]

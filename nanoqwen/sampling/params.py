@@ -2,13 +2,21 @@
 
 Every field is checked here, once, when the object is made, and a bad value raises a
 `ValueError` that names the field: a sampler handed a `SamplingParams` never has to ask.
+
+Chat checkpoints recommend their own sampling settings in `generation_config.json`
+(Qwen3: temperature 0.6, top_p 0.95, top_k 20). A setting a caller leaves out (`None`)
+is remembered in `unset`, and the engine fills it from the model's recommendation, the
+same way for every entry point (`with_defaults`; `LLMEngine.add_request`). Until then it
+holds the neutral value (temperature 1, no top-k/top-p/min-p, no repetition penalty).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -16,29 +24,42 @@ _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed a
 # Below this temperature the sampled distribution is the argmax up to float precision, while
 # dividing by it could overflow the logits to inf; such rows are sampled greedily (as in vLLM).
 _GREEDY_TEMPERATURE = 1e-5
+# The settings a model may recommend, and what each is when neither the caller nor the
+# model says: the neutral value, which leaves the distribution as the logits have it.
+DEFAULTABLE_SETTINGS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+}
 
 
 @dataclass
 class SamplingParams:
     """How to pick the next token of one request, and when to stop generating.
 
-    ``stop`` and ``stop_token_ids`` are normalised to (possibly empty) lists.
+    ``stop`` and ``stop_token_ids`` are normalised to (possibly empty) lists. The settings
+    of `DEFAULTABLE_SETTINGS` left as None take the model's recommended values once the
+    engine gets the request (see the module docstring).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 disables top-k
+    min_p: float | None = None
     max_tokens: int = 16
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # The defaultable settings the caller left out, still waiting for the model's values.
+    unset: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        left_out = {name for name in DEFAULTABLE_SETTINGS if getattr(self, name) is None}
+        self.unset = frozenset(self.unset) | left_out
+        for name in left_out:
+            setattr(self, name, DEFAULTABLE_SETTINGS[name])
         self.temperature = _real("temperature", self.temperature)
         self.top_p = _real("top_p", self.top_p)
         self.top_k = _integer("top_k", self.top_k)
@@ -65,6 +86,12 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
             _check(_MIN_SEED <= self.seed <= _MAX_SEED, "seed", "a 64-bit integer", self.seed)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These params with every setting left out taken from `defaults` (a model's
+        recommended ones, as `SamplingParams` keywords); checked like any other."""
+        chosen = {name: value for name, value in defaults.items() if name in self.unset}
+        return replace(self, **chosen, unset=frozenset()) if self.unset else self
 
     @property
     def stop_strings(self) -> list[str]:

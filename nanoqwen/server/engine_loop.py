@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from nanoqwen.engine import LLMEngine
+from nanoqwen.engine import EncodedPrompt, LLMEngine
 from nanoqwen.outputs import RequestOutput, StepError
 from nanoqwen.sampling.params import SamplingParams
 
@@ -152,9 +152,10 @@ class EngineLoop:
         self._enqueue(lambda engine: self._abort_now(ids))
 
     def submit(
-        self, sequences: list[tuple[list[int], SamplingParams]], id_prefix: str, priority: int = 0
+        self, sequences: list[tuple[EncodedPrompt, SamplingParams]], id_prefix: str,
+        priority: int = 0,
     ) -> Submission:
-        """Add one engine request per (prompt ids, params), all at `priority`, all or none.
+        """Add one engine request per (encoded prompt, params), all at `priority`, all or none.
 
         Raises `QueueFull` past capacity, and whatever `add_request` raised (a `ValueError`
         for input the engine refuses) with nothing left behind in the engine.
@@ -230,7 +231,7 @@ class EngineLoop:
 
     def _add(
         self,
-        sequences: list[tuple[list[int], SamplingParams]],
+        sequences: list[tuple[EncodedPrompt, SamplingParams]],
         id_prefix: str,
         priority: int,
         outputs: queue.SimpleQueue[Output],

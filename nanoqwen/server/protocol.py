@@ -20,9 +20,8 @@ from typing import Any
 
 import jinja2
 
-from nanoqwen.engine import LLMEngine, Prompt
+from nanoqwen.engine import EncodedPrompt, LLMEngine, Prompt
 from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.scheduling.waiting_queue import check_priority
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
@@ -125,7 +124,7 @@ class GenerationOptions:
 def parse_generation_options(
     body: dict[str, Any], default_max_tokens: int, engine: LLMEngine
 ) -> GenerationOptions:
-    """Sampling settings from the request; what it leaves out, from the model's defaults."""
+    """What the request asks for besides its prompt, each field checked."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server", name)
@@ -135,11 +134,7 @@ def parse_generation_options(
         stream_options, "include_usage", bool, "a boolean", False, "stream_options.include_usage"
     )
     n = _field(body, "n", int, "an integer", 1)
-    priority = _field(body, "priority", int, "an integer", 0)
-    try:
-        check_priority(priority, engine.config.scheduling_policy)
-    except ValueError as error:
-        raise bad_request(str(error), "priority") from error
+    priority = _field(body, "priority", int, "an integer", 0)  # the engine checks the policy
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
     # max_completion_tokens is the newer name of max_tokens.
@@ -147,10 +142,8 @@ def parse_generation_options(
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    fields = {
-        **engine.tokenizer.sampling_defaults,
-        **within_limits(given, engine.model_config.vocab_size),
-    }
+    # What the request leaves out, the engine fills from the model's recommended settings.
+    fields = within_limits(given, engine.model_config.vocab_size)
     try:
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens, **fields
@@ -159,7 +152,7 @@ def parse_generation_options(
         samples = [params if params.seed is None else replace(params, seed=params.seed + i)
                    for i in range(n)]
     except ValueError as error:
-        raise bad_request(str(error), _named_parameter(str(error))) from error
+        raise bad_request(str(error), named_parameter(str(error))) from error
     return GenerationOptions(samples, stream, include_usage, priority)
 
 
@@ -181,10 +174,11 @@ def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     return fields
 
 
-def _named_parameter(message: str) -> str | None:
-    """SamplingParams' messages begin with the parameter's name."""
-    first_word = message.split(" ", 1)[0]
-    return first_word if first_word in (*SAMPLING_FIELDS, "max_tokens") else None
+def named_parameter(message: str) -> str | None:
+    """The request field an engine's `ValueError` is about: its messages begin with the
+    parameter's name (SamplingParams', and `add_request`'s about priority)."""
+    first_word = message.split("=", 1)[0].split(" ", 1)[0]
+    return first_word if first_word in (*SAMPLING_FIELDS, "max_tokens", "priority") else None
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -226,8 +220,9 @@ def parse_prompts(body: dict[str, Any]) -> list[Prompt]:
     )
 
 
-def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list[list[int]]:
-    """Every prompt's token ids, checked to fit the engine: all of them, or a 400."""
+def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list[EncodedPrompt]:
+    """Every prompt's token ids, checked to fit the engine: all of them, or a 400. The
+    engine thread takes them as they are, without tokenizing or checking them again."""
     try:
         return [engine.encode_prompt(prompt) for prompt in prompts]
     except ValueError as error:

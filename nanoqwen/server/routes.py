@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import ClassVar
 
+from nanoqwen.engine import EncodedPrompt
 from nanoqwen.metrics import CONTENT_TYPE
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
@@ -104,7 +105,7 @@ class OpenAIHandler(HTTPHandler):
             "created": self.server.created, "owned_by": "nanoqwen",
             "max_model_len": engine.max_model_len,
             # What a request that leaves these out samples with (the chat page shows them).
-            "sampling_defaults": engine.tokenizer.sampling_defaults,
+            "sampling_defaults": engine.sampling_defaults,
         }
         self._send_json(200, {"object": "list", "data": [model]})
 
@@ -137,7 +138,7 @@ class OpenAIHandler(HTTPHandler):
     }
 
     # ------------------------------------------------------------ generation
-    def _generate(self, api: API, prompts: list[list[int]], options: GenerationOptions) -> None:
+    def _generate(self, api: API, prompts: list[EncodedPrompt], options: GenerationOptions) -> None:
         response_id = f"{api.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.record.request_id = response_id
         self.record.samples_per_prompt = len(options.params)
@@ -150,7 +151,7 @@ class OpenAIHandler(HTTPHandler):
         try:
             submission = loop.submit(sequences, response_id, options.priority)
         except ValueError as error:  # the engine refused the input
-            raise bad_request(str(error)) from error
+            raise bad_request(str(error), protocol.named_parameter(str(error))) from error
         reply = Reply(api, response_id, self.server.settings.model_name, int(time.time()),
                       options.include_usage)
         try:
