@@ -3,6 +3,12 @@
 from nanoqwen.engine import LLMEngine
 from nanoqwen.llm import LLM
 from nanoqwen.outputs import RequestOutput, StepError
+from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.logprobs import TokenLogprobs
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StepError"]
+__all__ = [
+    "LLM", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams", "StepError",
+    "StructuredOutput", "TokenLogprobs",
+]

@@ -13,6 +13,11 @@ The offline interface built on it, `LLM` (generate, chat, stream), is in `llm.py
 
 Bad input fails in `add_request` with a `ValueError`, before anything is queued.
 
+A request may ask for a prompt's embedding instead of a continuation (`PoolingParams`,
+`pooling.py`): it is scheduled like the others and finishes once its prompt is computed.
+A structured-output request gets its grammar compiled (`grammar.py`; `self.grammars`, which
+a server calls first on its own threads, keeps compiled grammars for reuse).
+
 With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
 rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
 or the program's exit) stops them.
@@ -32,7 +37,9 @@ from nanoqwen.outputs import RequestOutput, StepError
 from nanoqwen.parallel.sharding import SINGLE, check_tensor_parallel
 from nanoqwen.parallel.workers import Workers, launch, starting
 from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.sampling.grammar import GrammarCompiler
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 from nanoqwen.sampling.sampler import make_generator
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
@@ -45,6 +52,8 @@ from nanoqwen.weights.checkpoint import open_checkpoint
 from nanoqwen.weights.loader import check_splittable
 
 Prompt = str | list[int]
+# How an embedding request is run: its one "sampled" token is never kept.
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,9 @@ class LLMEngine:
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, self.config)
         self.proposer = make_proposer(self.config, self.scheduler, self.runner, draft)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -97,19 +109,28 @@ class LLMEngine:
     def add_request(
         self,
         prompt: Prompt | EncodedPrompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
         """Queue a prompt; returns its id. A lower `priority` is served sooner.
 
-        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`).
+        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`);
+        `PoolingParams` ask for the prompt's embedding instead of a continuation.
         Bad input raises a `ValueError` naming what is wrong, and nothing is queued.
         """
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("embeddings need tensor_parallel_size=1")
+            params = EMBEDDING_SAMPLING
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.with_defaults(self.sampling_defaults)
+        params.check_token_ids(self.model_config.vocab_size)
+        spec = params.structured_output
+        grammar = self.grammars.matcher(spec) if spec is not None else None
         check_priority(priority, self.config.scheduling_policy)
         if not isinstance(prompt, EncodedPrompt):
             prompt = self.encode_prompt(prompt)
@@ -124,6 +145,8 @@ class LLMEngine:
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
             priority=priority,
+            grammar=grammar,
+            pooling=pooling,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -200,6 +223,8 @@ class LLMEngine:
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
         """Append tokens one at a time; the first that ends the request drops the rest."""
+        if request.pooling is not None:  # its prompt is computed: the embedding is ready
+            return self._finish(request, "stop")
         delta = ""
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
@@ -247,6 +272,11 @@ class LLMEngine:
             finished=request.status is Status.FINISHED,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=(
+                None if request.prompt_logprobs is None else [None, *request.prompt_logprobs]
+            ),
+            embedding=None if request.embedding is None else request.embedding.tolist(),
         )
 
     def instrument(self, wrap: PhaseWrapper) -> None:

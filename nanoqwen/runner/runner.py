@@ -20,7 +20,9 @@ step run by a server's engine thread on `cuda:1` would otherwise record on `cuda
 Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
 forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
 the next token of every request whose last token was computed, or, for a request
-carrying draft tokens, verifies them (`verification.py`).
+carrying draft tokens, verifies them (`verification.py`). Prompt rows a request asked
+to score are scored first (`logprobs.py`); a step that ends an embedding request's prompt
+runs eagerly and keeps that row's final hidden state (`pooling.py`).
 
 With a draft model (`speculative.py`), a second runner runs it on a pool that mirrors
 this one page for page: this runner's pool is sized for both models' bytes per page.
@@ -50,6 +52,8 @@ from nanoqwen.parallel.workers import Workers
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner, decode_buckets
 from nanoqwen.runner.memory_profile import CudaMemory, kv_budget, profile_overhead
 from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.sampling.logprobs import score_prompts
+from nanoqwen.sampling.pooling import record_embeddings
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
@@ -138,14 +142,30 @@ class ModelRunner:
 
     def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None:
         """This rank's part of the forward pass; the full logits on rank 0, None elsewhere."""
-        if self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
+        if inputs.pooled_rows:
+            logits = self._forward_pooling(inputs)
+        elif self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
             logits = self.decode_graphs.forward(inputs)
         else:
             self.backend.plan(inputs.metadata)
             logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
         return self.tp.gather_logits(logits, self.vocab_size)
 
+    @torch.inference_mode()
+    def _forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
+        """An eager forward pass that also hands each embedding request its row's final
+        hidden state (graphs keep only logits)."""
+        self.backend.plan(inputs.metadata)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.metadata, self.backend)
+        rows = hidden[inputs.sample_rows]
+        record_embeddings(self.model.model.norm(rows), inputs.pooled_rows)
+        return self.model.compute_logits(rows)
+
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
+        if inputs.prompt_rows:  # the rows after the sampled ones
+            num_sampled = sum(inputs.num_sampled_rows)
+            score_prompts(logits[num_sampled:], inputs.prompt_rows)
+            logits = logits[:num_sampled]
         if not inputs.sampled_requests:
             return []
         return sample_with_drafts(self.sampler, logits, inputs.sampled_requests)

@@ -8,6 +8,13 @@ to, and the rows whose logits get sampled. A request samples the rows from its l
 accepted token on: one row when it is decoding or finishing its prompt, none for a
 prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` draft tokens to
 verify (`speculative.py`): the logits after each draft say whether it was right.
+Two kinds of request want more of the step than a next token, and say so here:
+
+* one asking for prompt logprobs (`logprobs.py`) has logits computed for the rows of its
+  prompt chunk as well (`prompt_rows`): they follow the sampled rows in `sample_rows`;
+* an embedding request (`pooling.py`) has its one sampled row pooled (`pooled_rows`)
+  instead of sampled for text.
+
 `build_step_inputs` makes that `StepInputs`.
 
 The lists are built on the host, where the page tables live, and copied to the device in
@@ -21,12 +28,14 @@ position 0 on the pool's scratch page (`kv_pool.py`), and its logits are never s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.sampling.logprobs import PromptRows
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
 
@@ -40,9 +49,13 @@ class StepInputs:
 
     input_ids: torch.Tensor  # int64 [T]
     metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # int64 [S]
-    sampled_requests: list[Request]  # whose logits `sample_rows` are, in order
+    # int64 [S + P]: the rows logits are computed for. The first S are sampled, the
+    # other P score prompt tokens (`prompt_rows`).
+    sample_rows: torch.Tensor
+    sampled_requests: list[Request]  # whose logits the first S rows are, in order
     num_sampled_rows: list[int]  # how many consecutive rows each of them has
+    prompt_rows: list[PromptRows]  # whose the last P rows are, in order
+    pooled_rows: list[tuple[int, Request]]  # (sampled row, embedding request): pooled
 
 
 class StepInputsBuilder:
@@ -57,6 +70,7 @@ class StepInputsBuilder:
         self.kv_indices: list[int] = []
         self.last_page_len: list[int] = []
         self.sample_rows: list[int] = []
+        self.prompt_rows: list[int] = []
         self.max_q_len = self.max_kv_len = 0
 
     def add_row(self, token_ids: list[int], start: int, pages: list[int], num_sampled: int) -> None:
@@ -85,11 +99,18 @@ class StepInputsBuilder:
         end_row = self.qo_indptr[-1]
         self.sample_rows.extend(range(end_row - num_sampled, end_row))
 
+    def add_prompt_rows(self, start: int, first: int, count: int) -> None:
+        """Compute logits for positions `first, ...` (`count` of them) of the row just added,
+        whose tokens start at position `start`."""
+        first_row = self.qo_indptr[-2] + first - start
+        self.prompt_rows.extend(range(first_row, first_row + count))
+
     def add_padding_row(self) -> None:
         self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], num_sampled=0)
 
     def build(
-        self, device: torch.device, sampled_requests: list[Request], num_sampled_rows: list[int]
+        self, device: torch.device, sampled_requests: list[Request], num_sampled_rows: list[int],
+        prompt_rows: Sequence[PromptRows] = (), pooled_rows: Sequence[tuple[int, Request]] = (),
     ) -> StepInputs:
         def on_host(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             # Pinned memory lets the copy to the GPU run without the host waiting for it.
@@ -117,9 +138,11 @@ class StepInputsBuilder:
         return StepInputs(
             input_ids=on_device(on_host(self.input_ids, torch.int64)),
             metadata=metadata,
-            sample_rows=on_device(on_host(self.sample_rows, torch.int64)),
+            sample_rows=on_device(on_host(self.sample_rows + self.prompt_rows, torch.int64)),
             sampled_requests=sampled_requests,
             num_sampled_rows=num_sampled_rows,
+            prompt_rows=list(prompt_rows),
+            pooled_rows=list(pooled_rows),
         )
 
 
@@ -130,6 +153,8 @@ def build_step_inputs(
     builder = StepInputsBuilder(page_size)
     sampled: list[Request] = []
     num_sampled_rows: list[int] = []
+    prompt_rows: list[PromptRows] = []
+    pooled_rows: list[tuple[int, Request]] = []
     for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start = batch.start(index)
         end = start + num_new
@@ -137,8 +162,24 @@ def build_step_inputs(
         pages = request.pages[: -(-end // page_size)]
         builder.add_row(request.tokens_with_drafts(start, end), start, pages, num_sampled)
         if num_sampled:
+            if request.pooling is not None:
+                pooled_rows.append((len(builder.sample_rows) - 1, request))
             sampled.append(request)
             num_sampled_rows.append(num_sampled)
+        if request.prompt_logprobs is not None:
+            span = unscored_prompt_rows(request, start, end)
+            if span.count:
+                builder.add_prompt_rows(start, span.first, span.count)
+                prompt_rows.append(span)
     for _ in range(len(batch.requests), pad_to):
         builder.add_padding_row()
-    return builder.build(device, sampled, num_sampled_rows)
+    return builder.build(device, sampled, num_sampled_rows, prompt_rows, pooled_rows)
+
+
+def unscored_prompt_rows(request: Request, start: int, end: int) -> PromptRows:
+    """The positions in `[start, end)` whose logits score a prompt token not scored yet:
+    position `p` scores token `p + 1`, and tokens up to `len(prompt_logprobs)` are done
+    (a request recomputing its prompt after a preemption does not score it twice)."""
+    first = max(start, len(request.prompt_logprobs))
+    stop = min(end, request.num_prompt_tokens - 1)
+    return PromptRows(request, first, max(0, stop - first))

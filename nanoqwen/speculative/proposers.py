@@ -112,10 +112,12 @@ class Proposer:
 
     def wanted(self, batch: ScheduledBatch, index: int) -> int:
         """How many drafts row `index` may carry: none unless it reaches the request's last
-        token, and never more than the request can still generate."""
-        if not batch.reaches_last_token(index):
-            return 0
+        token, never more than the request can still generate, and none for a request that
+        wants each token's logprobs or follows a grammar (the sampler serves those one
+        token at a time)."""
         request = batch.requests[index]
+        if not batch.reaches_last_token(index) or not _speculates(request):
+            return 0
         left = min(
             request.params.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
@@ -144,6 +146,11 @@ class Proposer:
         """Forget the drafts of a step that failed before its tokens were appended."""
         for request in batch.requests:
             request.draft_token_ids, request.draft_probs = [], None
+
+
+def _speculates(request: Request) -> bool:
+    params = request.params
+    return params.logprobs is None and params.structured_output is None
 
 
 class NgramProposer(Proposer):
