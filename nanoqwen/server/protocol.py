@@ -4,7 +4,9 @@ Everything a request carries is checked here, before the engine sees any of it, 
 refusal is an `APIError`: an HTTP status plus OpenAI's error object (`{"error": {"message",
 "type", "param", "code"}}`), with `param` naming the field at fault. The engine only ever
 receives token ids and a valid `SamplingParams`; prompts are tokenized (and chat messages
-rendered through the template) on the calling handler thread, never on the engine thread.
+rendered through the template, grammars compiled) on the calling handler thread, never on
+the engine thread. The fields of one feature are read in that feature's module
+(`logprobs`, `structured`, `tools`); which fields a route takes at all, in `fields`.
 
 Which errors are whose: 4xx means the request was wrong (400 bad field, 404 unknown model
 or route, 413 body too large, 415 not JSON, 429 queue full); 5xx means the server was
