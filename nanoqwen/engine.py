@@ -52,7 +52,8 @@ from nanoqwen.weights.checkpoint import open_checkpoint
 from nanoqwen.weights.loader import check_splittable
 
 Prompt = str | list[int]
-# How an embedding request is run: its one "sampled" token is never kept.
+# How an embedding request is run: its one "sampled" token is never kept (and with room
+# for one token only, its row carries no draft tokens either).
 EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 

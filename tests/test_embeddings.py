@@ -58,8 +58,19 @@ def test_embeddings_share_batches_with_generation(qwen3_dir: str) -> None:
     while engine.has_unfinished_requests():
         finished.update({out.request_id: out for out in engine.step() if out.finished})
     assert finished[generating].token_ids == alone.token_ids
-    assert finished[embedding].embedding == pytest.approx(llm.embed(TEXTS[0])[0].embedding, abs=1e-5)
+    alone_vector = llm.embed(TEXTS[0])[0].embedding
+    assert finished[embedding].embedding == pytest.approx(alone_vector, abs=1e-5)
     assert engine.stats()["generated_tokens"] == 2 * len(alone.token_ids)  # no token for embeddings
+
+
+def test_embedding_requests_are_not_speculated(qwen3_dir: str) -> None:
+    # A prompt that repeats itself: the n-gram proposer would find drafts for its end.
+    repetitive = [7, 8, 9, 10] * 6
+    expected = LLM(qwen3_dir, **ENGINE).embed([repetitive])[0].embedding
+    speculative = LLM(qwen3_dir, speculative="ngram", **ENGINE)
+    got = speculative.embed([repetitive])[0].embedding
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert speculative.stats()["spec_proposed_tokens"] == 0
 
 
 def test_embeddings_route(qwen3_dir: str) -> None:

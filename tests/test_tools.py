@@ -112,7 +112,8 @@ def controlled(reply: str) -> dict:
 def test_auto_parses_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     reply = "Checking.\n" + block("get_weather", {"city": "Oslo"}) + "\n" + block(
         "get_time", {"zone": "UTC"})
-    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300, extra_body=controlled(reply))
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300,
+                extra_body=controlled(reply))
     whole = client.chat.completions.create(**args).choices[0]
     assert whole.finish_reason == "tool_calls"
     assert whole.message.content == "Checking."
@@ -124,7 +125,8 @@ def test_auto_parses_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     assert "".join(d.content or "" for d in deltas).strip() == "Checking."
     streamed = [call_ for d in deltas for call_ in d.tool_calls or []]
     assert [(c.index, c.function.name) for c in streamed] == [(0, "get_weather"), (1, "get_time")]
-    assert [json.loads(c.function.arguments) for c in streamed] == [{"city": "Oslo"}, {"zone": "UTC"}]
+    assert [json.loads(c.function.arguments) for c in streamed] == [
+        {"city": "Oslo"}, {"zone": "UTC"}]
     assert all(c.id.startswith("call_") and c.type == "function" for c in streamed)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -188,7 +190,8 @@ def test_bad_tool_requests_name_the_field(server: OpenAIServer, extra: dict, par
 
 def test_bad_tool_history_is_refused(server: OpenAIServer) -> None:
     history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]
+        {"id": "c", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{oops"}}]}]
     status, _, body = call(server, "POST", "/v1/chat/completions", {"messages": history})
     assert status == 400
     assert body["error"]["param"] == "messages[1].tool_calls[0].function.arguments"

@@ -51,7 +51,9 @@ SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
 CHAT_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- endif -%}"
     "{{- '# Tools\\n\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nCall a function as <tool_call>\\n{\"name\": <function-name>, "

@@ -76,8 +76,11 @@ class Sampler:
         _check_shape(logits, requests)
         logits = _process_logits(logits, requests)
         token_ids = _choose(logits, requests)
-        scored = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
-        tokens = _with_logprobs(logits, token_ids, requests, scored) if scored else token_ids.tolist()
+        scored = [row for row, req in enumerate(requests) if req.params.logprobs is not None]
+        if scored:
+            tokens = _with_logprobs(logits, token_ids, requests, scored)
+        else:
+            tokens = token_ids.tolist()
         advance_grammars(requests, tokens)
         return tokens
 
@@ -153,7 +156,8 @@ def _with_logprobs(
     chosen_logits = logits[rows].float()
     temperatures = [p.scoring_temperature for p in params]
     if any(t != 1.0 for t in temperatures):
-        chosen_logits = chosen_logits / _to_device(temperatures, torch.float32, logits.device)[:, None]
+        scale = _to_device(temperatures, torch.float32, logits.device)
+        chosen_logits = chosen_logits / scale[:, None]
     k = max(p.logprobs for p in params)
     packed = score_rows(torch.log_softmax(chosen_logits, dim=-1), token_ids[rows], k)
     host = torch.cat([token_ids.double(), packed.flatten()]).tolist()

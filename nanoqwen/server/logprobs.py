@@ -75,8 +75,8 @@ def completion_logprobs(
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [None if entry is None else _finite(entry.logprob) for _, entry in scored],
-        "top_logprobs": [None if entry is None else _top_map(tokenizer, entry) for _, entry in scored],
+        "token_logprobs": [entry and _finite(entry.logprob) for _, entry in scored],
+        "top_logprobs": [entry and _top_map(tokenizer, entry) for _, entry in scored],
         "text_offset": offsets,
     }
 

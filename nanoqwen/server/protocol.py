@@ -228,7 +228,9 @@ def named_parameter(message: str) -> str | None:
 MessageExtras = Callable[[dict[str, Any], str], dict[str, Any]]
 
 
-def parse_messages(body: dict[str, Any], extras: MessageExtras | None = None) -> list[dict[str, Any]]:
+def parse_messages(
+    body: dict[str, Any], extras: MessageExtras | None = None
+) -> list[dict[str, Any]]:
     """The conversation, each message's role and text checked; `extras(message, param)`
     adds fields a template reads besides them (tool calls: `tools.tool_fields`)."""
     messages = body.get("messages")

@@ -188,7 +188,8 @@ class OpenAIHandler(HTTPHandler):
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         token_ids = tokens.parse_detokenize(body, engine.model_config.vocab_size)
-        self._send_json(200, {"prompt": engine.tokenizer.decode(token_ids, skip_special_tokens=False)})
+        text = engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+        self._send_json(200, {"prompt": text})
 
     def _structured_output(
         self, body: dict[str, Any], tools: ToolOptions | None

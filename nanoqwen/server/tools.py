@@ -57,7 +57,8 @@ class ToolOptions:
         """The grammar that enforces the choice, if it needs one (module docstring)."""
         by_name = {tool["function"]["name"]: tool["function"] for tool in self.tools}
         if self.choice == "function":
-            return StructuredOutput(structural_tag=_structural_tag(_call_tag(by_name[self.function])))
+            tag = _call_tag(by_name[self.function])
+            return StructuredOutput(structural_tag=_structural_tag(tag))
         tags = [_call_tag(function) for function in by_name.values()]
         if self.choice == "required":
             return StructuredOutput(structural_tag=_structural_tag({
@@ -150,7 +151,8 @@ class ToolCallStream:
             end = self.pending.find(CALL_END)
             if end < 0:
                 return content, calls
-            block, self.pending = self.pending[: end + len(CALL_END)], self.pending[end + len(CALL_END) :]
+            end += len(CALL_END)
+            block, self.pending = self.pending[:end], self.pending[end:]
             call = _parse_call(block[len(CALL_START) : -len(CALL_END)])
             if call is None:
                 content += block

@@ -97,7 +97,8 @@ def sample_with_drafts(
             new_tokens[i] = tokens
     if sampled:
         block = _rows(logits, [row for i in sampled for row in blocks[i]])
-        for i, tokens in zip(sampled, _verify_sampled(sampler, block, [requests[i] for i in sampled])):
+        verified = _verify_sampled(sampler, block, [requests[i] for i in sampled])
+        for i, tokens in zip(sampled, verified):
             new_tokens[i] = tokens
     return new_tokens
 
