@@ -42,7 +42,8 @@ SUPPORTED = {
     "embeddings": {"model", "input", "encoding_format"},
 }
 LABELS = {
-    "chat": {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"},
+    "chat": {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+             "service_tier"},
     "completions": {"user"},
     "embeddings": {"user"},
 }
