@@ -20,9 +20,10 @@ Drawing uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i
 win, and no renormalisation is needed. The point of the trick is that the noise is an
 ordinary tensor, so each seeded row can fill its own noise row from its own generator.
 
-Speculative decoding (``verification.py``) needs the distribution itself rather than one
-draw from it: ``distribution`` returns exactly what ``sample`` draws from, normalised, and
-``draw`` / ``uniform_noise`` draw from any distribution with the rows' own random streams.
+Verifying proposed tokens (``speculative/verification.py``) needs the distribution itself
+rather than one draw from it: ``distribution`` returns exactly what ``sample`` draws from,
+normalised, and ``draw`` / ``uniform_noise`` draw from any distribution with the rows'
+own random streams.
 
 Invariant: a row's result depends only on that row's logits, parameters, token history and
 generator, so a seeded request yields the same tokens whatever else shares the batch and
