@@ -29,7 +29,7 @@ Five scenarios:
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
 per output token (TPOT) is the rest of its life divided by its remaining tokens. A
-`PhaseTimer` installed with `engine.instrument` splits every step into schedule, prepare
+`PhaseTimer`, observing the engine (`engine.observe`), splits every step into schedule, prepare
 inputs, forward, sample and detokenize/bookkeeping, which says where the time goes.
 
 `--compare hf` runs the same prompts through transformers' `generate` on the same weights
@@ -94,7 +94,7 @@ from nanoqwen.weights.gguf import from_pretrained_arguments
 from nanoqwen.weights.loader import runtime_quantization
 from nanoqwen.weights.quantization import weight_memory_bytes
 from tools.bench_baseline import run_transformers
-from tools.bench_decode import PhaseTimer, PoolTooSmall, measure_decode_overhead
+from tools.bench_decode import Observers, PhaseTimer, PoolTooSmall, measure_decode_overhead
 from tools.bench_floor import FloorRecorder, measure_floor
 from tools.bench_report import print_report
 from tools.checkpoints import PRESETS, random_checkpoint
@@ -586,11 +586,12 @@ def load_engine(
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     recorder = FloorRecorder() if floor else None
+    timer = PhaseTimer(engine.device)
     if recorder is not None:
-        engine.instrument(recorder.wrap)
         recorder.attach(engine)
-    timer = PhaseTimer()
-    engine.instrument(timer.wrap)
+        engine.observe(Observers(timer, recorder))
+    else:
+        engine.observe(timer)
     return engine, timer, recorder
 
 

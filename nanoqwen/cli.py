@@ -22,7 +22,7 @@ from nanoqwen.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
-from nanoqwen.runner.runner import CPU_KV_CACHE_FRACTION
+from nanoqwen.memory.sizing import CPU_KV_CACHE_FRACTION
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 

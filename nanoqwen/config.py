@@ -97,7 +97,7 @@ class EngineConfig:
     # "fp8_e4m3" or "int8" stores the KV cache in one byte per number (about twice the
     # pages of bfloat16 for the same memory); "auto" stores it in `dtype`.
     kv_cache_dtype: str = "auto"
-    # Ranks (GPUs, or CPU processes) the model is split across (`parallel.py`).
+    # Ranks (GPUs, or CPU processes) the model is split across (`parallel/`).
     tensor_parallel_size: int = 1
     # Speculative decoding (speculative.py): "ngram" guesses from the request's own text,
     # "draft" runs `draft_model`, a smaller model with the same tokenizer; None is off.

@@ -1,42 +1,58 @@
 """The engine: the loop that ties tokenizer, scheduler, runner, sampler and cache together.
 
 `LLMEngine` is the online interface a server drives. `add_request` validates and queues a
-prompt; each `step()` asks the scheduler for a batch, runs it through the model and the
-sampler, appends each sampled token to its request (with speculative decoding, a step's
-accepted tokens one at a time: `speculative.py`), checks the stop conditions (EOS,
-stop token ids, stop strings, `max_tokens`, `max_model_len`), and returns one
-`RequestOutput` per request that made progress: the new text (`delta_text`, safe to
-stream) plus everything so far. Finished requests release their pages, leaving their
-full pages to the prefix cache so a follow-up turn can reuse them.
+prompt; each `step()` reads like the pipeline it is:
 
-The offline interface built on it, `LLM` (generate, chat, stream), is in `llm.py`.
+    schedule → propose → prepare → forward → sample → postprocess
 
-Bad input fails in `add_request` with a `ValueError`, before anything is queued.
+the scheduler picks a batch (`scheduling/`), a proposer may guess tokens for the model to
+verify in the same pass (`speculative/`; none by default), the runner lays the batch out,
+runs the model and chooses each request's new tokens (`runner/`), and the engine appends
+them one at a time, checks the stop conditions (EOS, stop token ids, stop strings,
+`max_tokens`, `max_model_len`) and returns one `RequestOutput` per request that made
+progress: the new text (`delta_text`, safe to stream) plus everything so far. Finished
+requests release their pages, leaving their full pages to the prefix cache so a
+follow-up turn can reuse them.
 
 A request may ask for a prompt's embedding instead of a continuation (`PoolingParams`,
-`pooling.py`): it is scheduled like the others and finishes once its prompt is computed.
-A structured-output request gets its grammar compiled (`grammar.py`; `self.grammars`, which
-a server calls first on its own threads, keeps compiled grammars for reuse).
+`sampling/pooling.py`): it is scheduled like the others and finishes once its prompt is
+computed. A structured-output request gets its grammar compiled (`sampling/grammar.py`;
+`self.grammars`, which a server calls first on its own threads, keeps compiled grammars
+for reuse).
 
-With `tensor_parallel_size=N` the engine also starts the N-1 other ranks that hold the
-rest of the model (`distributed.py`); `shutdown()` (or leaving a `with LLM(...)` block,
-or the program's exit) stops them.
+Start-up builds the pieces in dependency order: the checkpoint and tokenizer; the other
+ranks of a split model, if any (`parallel/`); the runner (the model on its device) and
+the proposer's own model, if any; then the KV cache, sized from what the runners measure
+(`plan_kv_pages`), with the host-side page allocator, prefix cache and scheduler over it.
+
+The offline interface built on it, `LLM` (generate, chat, stream), is in `llm.py`. Bad
+input fails in `add_request` with a `ValueError`, before anything is queued. A benchmark
+times the phases of a step through `observe(observer)`; the engine keeps no clocks.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 from nanoqwen.config import EngineConfig
+from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
+from nanoqwen.memory.sizing import KVBudget, WorstStep
 from nanoqwen.model.config import resolve_max_model_len
 from nanoqwen.outputs import RequestOutput, StepError
-from nanoqwen.parallel.sharding import SINGLE, check_tensor_parallel
-from nanoqwen.parallel.workers import Workers, launch, starting
-from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.parallel.launch import start_ranks
+from nanoqwen.parallel.workers import Workers, starting
+from nanoqwen.runner.runner import (
+    ModelRunner,
+    RunnerSettings,
+    plan_kv_pages,
+    start_runner,
+)
+from nanoqwen.runner.step_inputs import STEP_WIRE, StepInputs
 from nanoqwen.sampling.grammar import GrammarCompiler
 from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.sampling.pooling import PoolingParams
@@ -45,11 +61,10 @@ from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
 from nanoqwen.scheduling.waiting_queue import check_priority
-from nanoqwen.speculative.proposers import make_proposer, resolve_draft_model
+from nanoqwen.speculative.proposers import make_proposer
 from nanoqwen.text.detokenizer import IncrementalDetokenizer
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
-from nanoqwen.weights.loader import check_splittable
 
 Prompt = str | list[int]
 # How an embedding request is run: its one "sampled" token is never kept (and with room
@@ -62,41 +77,65 @@ class EncodedPrompt:
     """A prompt's token ids, already checked by `LLMEngine.encode_prompt` to fit the engine."""
 
     token_ids: list[int]
-# The phases of a step, in order, as `instrument` names them.
+
+
+# The phases of a step, in order, as an observer sees them.
 STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
-PhaseWrapper = Callable[[str, Callable[..., Any]], Callable[..., Any]]
+
+
+class StepObserver(Protocol):
+    """Watches every step (a benchmark's clock, for one): each phase (`STEP_PHASES`) runs
+    inside `phase(name)`, and `laid_out` sees what the step computes once it is laid out."""
+
+    def phase(self, name: str) -> AbstractContextManager[object]: ...
+
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None: ...
+
+
+class Unobserved:
+    def phase(self, name: str) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        pass
 
 
 class LLMEngine:
     def __init__(self, model: str, **options: Any) -> None:
-        self.config = EngineConfig(model=model, **options)
+        self.config = config = EngineConfig(model=model, **options)
         self.checkpoint = checkpoint = open_checkpoint(model)
         self.model_config = checkpoint.model_config
         self.tokenizer = Tokenizer(checkpoint.path)
-        self.max_model_len = resolve_max_model_len(self.config.max_model_len, self.model_config)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config)
         # What a request's left-out sampling settings become: the one place they are set.
         self.sampling_defaults = (
-            self.tokenizer.sampling_defaults if self.config.generation_config == "auto" else {}
+            self.tokenizer.sampling_defaults if config.generation_config == "auto" else {}
         )
-        runner_args = (checkpoint, self.max_model_len)
-        tp, rank_config = SINGLE, self.config
-        self.workers: Workers | None = None
-        if self.config.tensor_parallel_size > 1:
-            check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
-            check_splittable(checkpoint, self.config.quantization)
-            # Under torchrun, only rank 0 returns from here.
-            tp, rank_config, self.workers = launch(self.config, ModelRunner, runner_args)
-        draft = resolve_draft_model(self.config, self.tokenizer)
-        with starting(self.workers):  # if rank 0 fails to start, the other ranks go too
-            self.runner = ModelRunner(
-                rank_config, *runner_args, tp=tp, workers=self.workers,
-                draft_model_config=draft.model_config if draft else None,
-            )
+        settings = runner_settings(config, self.max_model_len)
+        budget = KVBudget(config.num_pages, config.kv_cache_memory, config.gpu_memory_utilization)
+        self.proposer = make_proposer(config, self.tokenizer, settings, self.model_config.vocab_size)
+        worst = WorstStep(
+            config.max_num_seqs, config.chunk_size, self.max_model_len, self.proposer.max_proposed
+        )
+        # The other ranks of a split model, each starting a runner of its own. Under
+        # torchrun, only rank 0 returns from here.
+        self.ranks = start_ranks(
+            config, checkpoint, STEP_WIRE, partial(start_runner, checkpoint, settings, budget, worst)
+        )
+        with starting(self.ranks.workers):  # if rank 0 fails to start, the other ranks go too
+            self.runner = ModelRunner(checkpoint, settings, self.ranks, self.proposer.choose_tokens)
+            runners = [self.runner, *self.proposer.runners]
+            num_pages = plan_kv_pages(runners, budget, worst)
+            for runner in runners:
+                runner.allocate_kv_cache(num_pages)
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
-        self.pool = self.runner.pool
-        self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
-        self.scheduler = Scheduler(self.pool, self.cache, self.config)
-        self.proposer = make_proposer(self.config, self.scheduler, self.runner, draft)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.cache = RadixCache(self.allocator) if config.enable_prefix_cache else None
+        self.scheduler = Scheduler(
+            self.allocator, self.cache, config.max_num_seqs, config.chunk_size,
+            config.scheduling_policy, config.priority_aging_steps,
+        )
+        self.observer: StepObserver = Unobserved()
         self.grammars = GrammarCompiler(
             self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
@@ -122,8 +161,8 @@ class LLMEngine:
         """
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
-            if self.config.tensor_parallel_size > 1:
-                raise ValueError("embeddings need tensor_parallel_size=1")
+            if self.workers is not None:
+                raise ValueError("embeddings need one rank: the model is split across several")
             params = EMBEDDING_SAMPLING
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -178,11 +217,11 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                 "(leave room for at least one generated token)"
             )
-        pages_needed = -(-(len(ids) + 1) // self.pool.page_size)
-        if pages_needed > self.pool.num_usable_pages:
+        pages = self.allocator
+        if -(-(len(ids) + 1) // pages.page_size) > pages.num_usable_pages:
             raise ValueError(
-                f"prompt has {len(ids)} tokens but the KV pool holds only "
-                f"{self.pool.num_usable_pages * self.pool.page_size}"
+                f"prompt has {len(ids)} tokens but the KV cache holds only "
+                f"{pages.num_usable_pages * pages.page_size}"
             )
         return EncodedPrompt(ids)
 
@@ -199,19 +238,29 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that moved."""
-        schedule = self.scheduler.schedule()
+        phase = self.observer.phase
+        with phase("schedule"):
+            schedule = self.scheduler.schedule()
         outputs = [self._finish(request, "length") for request in schedule.out_of_memory]
         batch = schedule.batch
         if not batch:
             return outputs
         try:
-            self.proposer.propose(batch)  # draft tokens, with speculative decoding
-            sampled = self.runner.run(batch)
+            with phase("propose"):
+                self.proposer.propose(batch, self.scheduler)
+            with phase("prepare"):
+                inputs = self.runner.prepare(batch)
+                self.observer.laid_out(batch, inputs)
+            with phase("forward"):
+                logits = self.runner.forward(inputs)
+            with phase("sample"):
+                sampled = self.runner.sample(logits, inputs)
         except Exception as error:
             self.proposer.discard(batch)
             failed = [request.request_id for request in batch.requests]
             raise StepError(failed, outputs) from error
-        return outputs + self._postprocess(batch, sampled)
+        with phase("postprocess"):
+            return outputs + self._postprocess(batch, sampled)
 
     def _postprocess(
         self, batch: ScheduledBatch, sampled: list[tuple[Request, list[int]]]
@@ -219,7 +268,7 @@ class LLMEngine:
         """Record the step's K/V as computed, then append each request's new tokens and stop."""
         self.scheduler.advance(batch)
         outputs = [self._append_tokens(request, token_ids) for request, token_ids in sampled]
-        self.proposer.settle(sampled)  # keeps accepted drafts' K/V, rolls back the rest
+        self.proposer.settle(sampled, self.scheduler)  # keeps accepted K/V, rolls back the rest
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
@@ -280,21 +329,13 @@ class LLMEngine:
             embedding=None if request.embedding is None else request.embedding.tolist(),
         )
 
-    def instrument(self, wrap: PhaseWrapper) -> None:
-        """Route every phase of `step()` through `wrap(phase, function)`, which returns the
-        function to call instead: how a benchmark times the phases (`STEP_PHASES`) without
-        the engine keeping clocks of its own."""
-        runner = self.runner
-        self.scheduler.schedule = wrap("schedule", self.scheduler.schedule)
-        self.proposer.propose = wrap("propose", self.proposer.propose)
-        runner.prepare = wrap("prepare", runner.prepare)
-        runner.forward = wrap("forward", runner.forward)
-        runner.sample = wrap("sample", runner.sample)
-        self._postprocess = wrap("postprocess", self._postprocess)
+    def observe(self, observer: StepObserver) -> None:
+        """Have `observer` watch the phases of every later step (`STEP_PHASES`)."""
+        self.observer = observer
 
     # ----------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
-        pool = self.pool
+        pool = self.allocator
         cached = pool.num_cache_only_pages
         free = pool.num_free_pages
         cache = self.cache
@@ -306,7 +347,7 @@ class LLMEngine:
             "pages_cached": cached,
             "pages_used": pool.num_usable_pages - free - cached,
             "page_size": pool.page_size,
-            "kv_cache_bytes": pool.nbytes * self.config.tensor_parallel_size,  # every rank's
+            "kv_cache_bytes": self.runner.kv_cache_bytes,  # every rank's
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "prefix_query_tokens": query,
@@ -324,7 +365,23 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.cache.reset() if self.cache else 0
 
+    @property
+    def workers(self) -> Workers | None:
+        """The handle on the other ranks of a split model (None with one rank)."""
+        return self.ranks.workers
+
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        """Stop the other ranks of a split model, if any (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
+
+
+def runner_settings(config: EngineConfig, max_model_len: int) -> RunnerSettings:
+    """The engine settings a runner uses."""
+    return RunnerSettings(
+        device=config.device, dtype=config.dtype, page_size=config.page_size,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        kv_storage_dtype=config.kv_storage_dtype, quantization=config.quantization,
+        attention_backend=config.attention_backend, decode_buckets=config.decode_buckets,
+        enforce_eager=config.enforce_eager,
+    )

@@ -18,7 +18,7 @@ import torch
 from oracle import greedy, run_to_completion
 
 from nanoqwen import LLMEngine
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
 from tools.checkpoints import build_qwen2
 
@@ -56,7 +56,7 @@ def model_64(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return build_model_64(tmp_path_factory.mktemp(f"qwen2_kv{request.param}"), request.param)
 
 
-def random_step(pool: KVPool, rows: list[tuple[int, int]], seed: int) -> StepInputs:
+def random_step(pool: KVCache, rows: list[tuple[int, int]], seed: int) -> StepInputs:
     """A step over `rows` (cached tokens, new tokens), each request on distinct random
     pages of `pool`, every row sampled."""
     rng = random.Random(seed)

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
-from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.memory.page_allocator import SCRATCH_PAGE
 
 
 @lru_cache(maxsize=8)
@@ -68,7 +68,7 @@ def run_to_completion(engine: LLMEngine, check: bool = True) -> dict[str, Reques
 
 def check_page_accounting(engine: LLMEngine) -> None:
     """Every page is exactly one of free, cached (tree only) or in use (held by requests)."""
-    pool, cache = engine.pool, engine.cache
+    pool, cache = engine.allocator, engine.cache
     request_holds = Counter(
         page for request in engine.requests.values() for page in request.pages
     )

@@ -21,8 +21,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanoqwen"
 # Lowest tier first. A room may import rooms of its own tier or of a lower one, never of a
 # higher one; no imports may form a cycle, between rooms or between modules.
 TIERS = [
-    {"config", "memory", "parallel"},
-    {"model", "attention", "sampling", "text", "weights"},
+    {"config", "memory"},
+    {"attention", "sampling"},
+    {"model"},
+    {"weights", "text", "parallel"},
     {"scheduling", "runner"},
     {"speculative"},
     {"outputs", "engine", "llm"},
@@ -163,6 +165,19 @@ def test_modules_stay_short(path: Path) -> None:
 def test_few_modules_sit_directly_in_the_package() -> None:
     top_level = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
+
+
+@pytest.mark.parametrize("feature", FEATURE_WORDS)
+def test_optional_features_stay_in_their_rooms(feature: str) -> None:
+    """Speculative decoding, tensor parallelism and checkpoint formats each plug into the
+    core through a narrow hook: few modules outside the feature's room even name it."""
+    naming = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in modules()
+        if room_of(path) not in (feature, *SURFACES)
+        and FEATURE_WORDS[feature].search(path.read_text())
+    )
+    assert len(naming) <= MAX_FILES_NAMING_A_FEATURE, f"{feature} is named in {naming}"
 
 
 def test_the_checker_sees_imports() -> None:

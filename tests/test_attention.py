@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
 
 HEAD_DIM = 16
@@ -29,7 +29,7 @@ HEAD_DIM = 16
 Row = tuple[int, int]
 
 
-def random_step(pool: KVPool, rows: list[Row], seed: int) -> tuple[StepInputs, list[list[int]]]:
+def random_step(pool: KVCache, rows: list[Row], seed: int) -> tuple[StepInputs, list[list[int]]]:
     """A step over `rows`, each request on distinct random pages; also each one's pages."""
     rng = random.Random(seed)
     free = list(range(1, pool.num_pages))
@@ -44,7 +44,7 @@ def random_step(pool: KVPool, rows: list[Row], seed: int) -> tuple[StepInputs, l
 
 
 def formula_attention(
-    pool: KVPool, rows: list[Row], pages: list[list[int]], q: torch.Tensor
+    pool: KVCache, rows: list[Row], pages: list[list[int]], q: torch.Tensor
 ) -> torch.Tensor:
     """Each new token of each request attends, head by head, to its request's keys."""
     k_cache, v_cache = (cache.flatten(0, 1) for cache in pool.layer_cache(0))
@@ -79,7 +79,7 @@ def attend(
     """A backend's output for one random step, and the written-out formula's."""
     torch.manual_seed(seed)
     num_pages = sum(-(-(cached + new) // page_size) for cached, new in rows) + 1
-    pool = KVPool(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, torch.device("cpu"))
+    pool = KVCache(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, torch.device("cpu"))
     pool.kv.normal_()
     inputs, pages = random_step(pool, rows, seed)
     num_tokens = inputs.input_ids.numel()
@@ -166,7 +166,7 @@ def test_each_kind_of_request_takes_its_own_path(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("backend_class", [ReferenceBackend, TorchBackend])
 def test_new_keys_and_values_land_in_their_slots(backend_class: type[AttentionBackend]) -> None:
     rows = [(3, 1), (0, 5)]
-    pool = KVPool(1, 2, HEAD_DIM, 4, 8, torch.float32, torch.device("cpu"))
+    pool = KVCache(1, 2, HEAD_DIM, 4, 8, torch.float32, torch.device("cpu"))
     inputs, _ = random_step(pool, rows, seed=1)
     k, v = torch.randn(2, 6, 2, HEAD_DIM)
     backend = backend_class(pool, 4, 2, HEAD_DIM)

@@ -24,7 +24,7 @@ from oracle import greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 
 GIB = 2**30
 VOCAB = 800
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("empty_gpu")
 
 
 def pool_bytes(engine: LLMEngine) -> int:
-    return engine.pool.kv.numel() * engine.pool.kv.element_size()
+    return engine.runner.kv_cache.kv.numel() * engine.runner.kv_cache.kv.element_size()
 
 
 @needs_cuda
@@ -50,7 +50,7 @@ def test_torch_backend_in_float32_on_cuda_matches_cpu(rows) -> None:
     q, k, v = torch.randn(num_tokens, 8, 64), *torch.randn(2, num_tokens, 2, 64)
     outputs = []
     for device in (torch.device("cpu"), CUDA):
-        pool = KVPool(1, 2, 64, 16, 64, torch.float32, device)
+        pool = KVCache(1, 2, 64, 16, 64, torch.float32, device)
         pool.kv.copy_(kv)
         backend = TorchBackend(pool, 8, 2, 64)
         backend.plan(random_step(pool, rows, seed=0).metadata)
@@ -119,7 +119,7 @@ def test_an_engine_on_cuda_0_steps_from_another_thread(model_64: str) -> None:
 def test_an_engine_on_the_second_gpu_leaves_the_first_alone(model_64: str) -> None:
     torch.cuda.set_device(0)
     engine = LLMEngine(model_64, device="cuda:1", attention_backend="torch", num_pages=256)
-    assert engine.pool.kv.device == torch.device("cuda", 1)
+    assert engine.runner.kv_cache.kv.device == torch.device("cuda", 1)
     torch.cuda.synchronize(0)
     on_first = torch.cuda.memory_allocated(0)
     outputs = greedy_outputs(engine, random_prompts(VOCAB, [9, 40], seed=8), 10, in_thread=True)

@@ -32,7 +32,7 @@ from oracle import greedy, random_prompts, run_to_completion
 from nanoqwen import LLMEngine
 from nanoqwen.attention.flashinfer_backend import FlashInferBackend, check_flashinfer
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 pytestmark = [needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
@@ -49,7 +49,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_flashinfer_matches_torch(rows, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     torch.manual_seed(0)
-    pool = KVPool(1, num_kv_heads, head_dim, 16, 64, torch.bfloat16, CUDA)
+    pool = KVCache(1, num_kv_heads, head_dim, 16, 64, torch.bfloat16, CUDA)
     pool.kv.normal_()
     inputs = random_step(pool, rows, seed=0)
     num_tokens = inputs.input_ids.numel()
@@ -68,7 +68,7 @@ def test_flashinfer_matches_torch(rows, num_heads: int, num_kv_heads: int, head_
 
 
 def test_flashinfer_refuses_float32() -> None:
-    pool = KVPool(1, 2, 128, 16, 4, torch.float32, CUDA)
+    pool = KVCache(1, 2, 128, 16, 4, torch.float32, CUDA)
     with pytest.raises(ValueError, match="float16 and bfloat16"):
         FlashInferBackend(pool, 8, 2, 128)
 
@@ -79,7 +79,7 @@ def test_the_kernels_are_built_and_timed_at_start_up(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
         model_config = read_checkpoint(model_64).model_config
-        assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
+        assert check_flashinfer(model_config.attention_shape(), 16, torch.bfloat16, torch.bfloat16, CUDA) is None
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 
 
@@ -225,7 +225,7 @@ def test_kv_pool_fills_the_memory_budget(model_64: str) -> None:
     for prompt in random_prompts(VOCAB, [20 + i for i in range(64)], seed=6):
         engine.add_request(prompt, greedy(30))
     run_to_completion(engine, check=False)
-    pool_bytes = engine.pool.kv.numel() * engine.pool.kv.element_size()
+    pool_bytes = engine.runner.kv_cache.kv.numel() * engine.runner.kv_cache.kv.element_size()
     free_after, _ = torch.cuda.mem_get_info()
     assert pool_bytes > 0.1 * total, "the pool took much less than the budget"
     assert total - free_after <= utilization * total + (512 << 20), "the budget was overrun"

@@ -7,7 +7,6 @@ none of it changes a single output token. Capture and replay are in
 `test_cuda_flashinfer.py`; the choice of attention backend is in `test_cuda_host.py`.
 """
 
-import dataclasses
 import random
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ from nanoqwen import LLMEngine
 from nanoqwen.attention.flashinfer_backend import FlashInferBackend
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.config import EngineConfig
-from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.memory.page_allocator import SCRATCH_PAGE
 from nanoqwen.runner.cuda_graph import MAX_BUCKET, decode_buckets, default_buckets
 
 VOCAB = 800
@@ -94,22 +93,20 @@ def test_default_buckets() -> None:
 
 def test_buckets_are_on_where_graphs_can_be_captured(qwen3_dir: str) -> None:
     engine = make_engine(qwen3_dir)
-    config, model_config = engine.config, engine.model_config
+    model_config = engine.model_config
     assert engine.runner.decode_buckets == [] and engine.runner.decode_graphs is None  # CPU default
 
-    cuda = dataclasses.replace(config, device="cpu")
-    cuda.device = torch.device("cuda")  # the policy only reads it; nothing runs there
-    assert decode_buckets(cuda, model_config, FlashInferBackend) == default_buckets(32)
-    assert decode_buckets(cuda, model_config, TorchBackend) == []
-    dynamic_rope = dataclasses.replace(model_config, rope_type="dynamic")
-    assert decode_buckets(cuda, dynamic_rope, FlashInferBackend) == []
-    cuda.enforce_eager = True
-    assert decode_buckets(cuda, model_config, FlashInferBackend) == []
+    cuda = torch.device("cuda")  # the policy only reads it; nothing runs there
+    rope = model_config.rope_type
+    assert decode_buckets(None, False, 32, cuda, FlashInferBackend, rope) == default_buckets(32)
+    assert decode_buckets(None, False, 32, cuda, TorchBackend, rope) == []
+    assert decode_buckets(None, False, 32, cuda, FlashInferBackend, "dynamic") == []
+    assert decode_buckets(None, True, 32, cuda, FlashInferBackend, rope) == []
 
-    asked = EngineConfig(model="m", device="cpu", decode_buckets=[8, 1, 4, 4])
-    assert decode_buckets(asked, model_config, TorchBackend) == [1, 4, 8]
-    asked.enforce_eager = True
-    assert decode_buckets(asked, model_config, TorchBackend) == []
+    asked = EngineConfig(model="m", device="cpu", decode_buckets=[8, 1, 4, 4]).decode_buckets
+    cpu = torch.device("cpu")
+    assert decode_buckets(asked, False, 32, cpu, TorchBackend, rope) == [1, 4, 8]
+    assert decode_buckets(asked, True, 32, cpu, TorchBackend, rope) == []
 
 
 @pytest.mark.parametrize("buckets", [[0], [1, -8], [2.5]])
@@ -139,7 +136,7 @@ def test_padding_rows_write_only_the_scratch_page(eager: LLMEngine, bucketed: LL
     # No prompt ends on a page boundary, so the decode step needs no new page.
     prompts = random_prompts(VOCAB, [5, 9, 20], seed=7)
     for engine in (eager, bucketed):
-        pool = engine.pool
+        pool = engine.runner.kv_cache
         for prompt in prompts:
             engine.add_request(prompt, greedy(3))
         engine.step()  # the prefill
@@ -218,5 +215,5 @@ def test_scratch_page_is_never_handed_out(tight_pair, workload, seed: int) -> No
             ids.append(engine.add_request(prompt, greedy(max_tokens)))
         final.update(run_to_completion(engine))
         outputs.append([final[i].token_ids for i in ids])
-        assert engine.pool.ref_counts[SCRATCH_PAGE] == 0
+        assert engine.allocator.ref_counts[SCRATCH_PAGE] == 0
     assert outputs[0] == outputs[1]

@@ -30,6 +30,7 @@ from rich.console import Console
 from nanoqwen import LLMEngine
 from nanoqwen.attention import flashinfer_backend as attention_flashinfer
 from nanoqwen.attention import registry
+from nanoqwen.attention.base import AttentionShape
 from nanoqwen.attention.flashinfer_backend import (
     FencedWrapper,
     check_flashinfer,
@@ -38,10 +39,10 @@ from nanoqwen.attention.flashinfer_backend import (
 )
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.config import EngineConfig
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.runner import runner as runner_module
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
+from nanoqwen.runner.pipeline import StepPipeline
 from nanoqwen.runner.runner import ModelRunner, exact_device
 from nanoqwen.weights.checkpoint import read_checkpoint
 
@@ -61,8 +62,19 @@ def model_config(model_dir: str) -> ModelConfig:
     return read_checkpoint(model_dir).model_config
 
 
-def bf16_config(**options) -> EngineConfig:
-    return EngineConfig(model="m", device="cpu", dtype="bfloat16", **options)
+@pytest.fixture(scope="module")
+def shape(model_config: ModelConfig) -> AttentionShape:
+    return AttentionShape(
+        model_config.num_layers, model_config.num_heads, model_config.num_kv_heads,
+        model_config.head_dim,
+    )
+
+
+def choose_backend(
+    shape: AttentionShape, device: torch.device = CUDA, name: str | None = None
+) -> type:
+    """The backend a bfloat16 model of `shape` gets (16-token pages)."""
+    return attention_backend_class(name, shape, 16, torch.bfloat16, torch.bfloat16, device)
 
 
 # ----------------------------------------------------------------- plan fences
@@ -132,11 +144,11 @@ def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
 
 # ----------------------------------------------------------------- kernel availability
 def test_warm_up_plans_and_runs_a_prefill_and_a_decode(
-    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = fake_flashinfer.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warm_up_kernels(model_config, 1, torch.bfloat16, torch.bfloat16, torch.device("cpu"))  # 1-token pages
+    warm_up_kernels(shape, 1, torch.bfloat16, torch.bfloat16, torch.device("cpu"))  # 1-token pages
     wrappers = [(name, who) for name, who in log if name in ("plan", "run")]
     assert [(name, type(who)) for name, who in wrappers] == [
         ("plan", FakePrefillWrapper), ("run", FakePrefillWrapper),
@@ -144,7 +156,7 @@ def test_warm_up_plans_and_runs_a_prefill_and_a_decode(
     ]
     prefill = wrappers[0][1].planned
     assert prefill["qo_indptr"].tolist() == [0, 2] and prefill["kv_indices"].tolist() == [1, 2]
-    assert prefill["shape"] == (model_config.num_heads, model_config.num_kv_heads, 64, 1)
+    assert prefill["shape"] == (shape.num_heads, shape.num_kv_heads, 64, 1)
 
 
 @pytest.fixture
@@ -156,21 +168,21 @@ def status_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
 
 
 def test_kernels_are_built_at_start_up_under_a_status_line(
-    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     fake_flashinfer.install(monkeypatch)
     built = []
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
-        assert check_flashinfer(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
-    assert built == [(model_config, 16, torch.bfloat16, torch.bfloat16, CUDA)]
+        assert check_flashinfer(shape, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
+    assert built == [(shape, 16, torch.bfloat16, torch.bfloat16, CUDA)]
     assert "compiling flashinfer kernels" in status_screen.getvalue()
     assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
 
 
 def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
-    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     fake_flashinfer.install(monkeypatch)
@@ -180,34 +192,33 @@ def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
 
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", failing_build)
     with caplog.at_level(logging.WARNING):
-        assert attention_backend_class(bf16_config(), model_config, CUDA) is TorchBackend
+        assert choose_backend(shape) is TorchBackend
     [record] = caplog.records
     message = record.getMessage()
     assert "RuntimeError: ninja: build stopped" in message and "torch" in message
     assert "\n" not in message
     # Asked for by name, flashinfer does not fall back: the user hears why it cannot run.
     with pytest.raises(ValueError, match="ninja: build stopped"):
-        attention_backend_class(bf16_config(attention_backend="flashinfer"), model_config, CUDA)
+        choose_backend(shape, name="flashinfer")
 
 
 def test_the_cpu_uses_the_torch_backend_without_building_anything(
-    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", pytest.fail)
     with caplog.at_level(logging.WARNING):
-        chosen = attention_backend_class(bf16_config(), model_config, torch.device("cpu"))
+        chosen = choose_backend(shape, torch.device("cpu"))
     assert chosen is TorchBackend and not caplog.records
     with pytest.raises(ValueError, match="CUDA"):
-        attention_backend_class(bf16_config(attention_backend="flashinfer"), model_config,
-                                torch.device("cpu"))
+        choose_backend(shape, torch.device("cpu"), name="flashinfer")
 
 
 def test_missing_flashinfer_falls_back_with_one_warning(
-    model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     with caplog.at_level(logging.WARNING):
-        assert attention_backend_class(bf16_config(), model_config, CUDA) is TorchBackend
+        assert choose_backend(shape) is TorchBackend
     [record] = caplog.records
     assert "not installed" in record.getMessage() and "\n" not in record.getMessage()
 
@@ -250,16 +261,16 @@ def test_start_up_and_every_step_run_on_the_models_device(
     monkeypatch.setattr(runner_module, "on_device", recording_device)
     monkeypatch.setattr(runner_module, "attention_backend_class",
                         spy("choose backend", attention_backend_class))
-    monkeypatch.setattr(ModelRunner, "num_kv_pages", spy("size pool", ModelRunner.num_kv_pages))
+    monkeypatch.setattr(ModelRunner, "_make_cache", spy("allocate cache", ModelRunner._make_cache))
     monkeypatch.setattr(DecodeGraphRunner, "capture_all",
                         spy("capture", DecodeGraphRunner.capture_all))
-    monkeypatch.setattr(ModelRunner, "forward", spy("eager step", ModelRunner.forward))
+    monkeypatch.setattr(StepPipeline, "forward", spy("eager step", StepPipeline.forward))
     monkeypatch.setattr(DecodeGraphRunner, "forward", spy("bucket step", DecodeGraphRunner.forward))
     engine = LLMEngine(model_dir, device="cpu", num_pages=64, decode_buckets=[1, 2, 4])
     for prompt in random_prompts(VOCAB, [5, 11], seed=1):
         engine.add_request(prompt, greedy(3))
     run_to_completion(engine)
-    assert set(seen) == {"choose backend", "size pool", "capture", "eager step", "bucket step"}
+    assert set(seen) == {"choose backend", "allocate cache", "capture", "eager step", "bucket step"}
     for name, stacks in seen.items():
         assert all(stack == [engine.runner.device] for stack in stacks), name
 

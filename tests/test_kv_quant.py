@@ -39,8 +39,8 @@ from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.config import KV_CACHE_DTYPES, EngineConfig
-from nanoqwen.memory.kv_pool import TENSOR_SCALE, KVPool, dequantize, quantize
+from nanoqwen.config import KV_CACHE_DTYPES
+from nanoqwen.memory.kv_cache import TENSOR_SCALE, KVCache, dequantize, quantize
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 QUANTIZED = ["int8", "fp8_e4m3"]
@@ -81,7 +81,7 @@ def test_round_trip_error_is_within_half_a_step(
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_the_pool_stores_codes_and_scales_and_gathers_dequantized_pages(name: str) -> None:
     dtype = KV_CACHE_DTYPES[name]
-    pool = KVPool(2, 2, HEAD_DIM, 4, 6, torch.float32, CPU, storage_dtype=dtype)
+    pool = KVCache(2, 2, HEAD_DIM, 4, 6, torch.float32, CPU, storage_dtype=dtype)
     assert pool.is_quantized and pool.kv.dtype == dtype and pool.kv.element_size() == 1
     k, v = torch.randn(2, 8, 2, HEAD_DIM)
     slots = torch.arange(8, 16)  # pages 2 and 3
@@ -94,7 +94,7 @@ def test_the_pool_stores_codes_and_scales_and_gathers_dequantized_pages(name: st
 
 
 def test_a_per_tensor_fp8_pool_stores_numbers_at_scale_one_and_saturates() -> None:
-    pool = KVPool(
+    pool = KVCache(
         1, 2, HEAD_DIM, 4, 4, torch.bfloat16, CPU,
         storage_dtype=torch.float8_e4m3fn, per_vector_scales=False,
     )
@@ -113,8 +113,8 @@ def test_a_per_tensor_fp8_pool_stores_numbers_at_scale_one_and_saturates() -> No
 
 
 def test_int8_needs_a_scale_per_vector() -> None:
-    with pytest.raises(ValueError, match="int8 KV pool needs a scale per vector"):
-        KVPool(1, 2, HEAD_DIM, 4, 4, torch.float32, CPU, storage_dtype=torch.int8,
+    with pytest.raises(ValueError, match="int8 KV cache needs a scale per vector"):
+        KVCache(1, 2, HEAD_DIM, 4, 4, torch.float32, CPU, storage_dtype=torch.int8,
                per_vector_scales=False)
 
 
@@ -145,7 +145,7 @@ def attend_full_and_quantized(
     torch.manual_seed(seed)
     num_pages = sum(-(-(cached + new) // page_size) for cached, new in rows) + 1
     pools = [
-        KVPool(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage,
+        KVCache(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage,
                per_vector_scales=per_vector_scales)
         for storage in (None, KV_CACHE_DTYPES[name])
     ]
@@ -190,7 +190,7 @@ def test_attention_over_a_quantized_pool_is_close_to_full_precision(
 
 
 def test_the_torch_backend_gathers_a_quantized_pool_s_decodes() -> None:
-    pool = KVPool(1, 2, HEAD_DIM, 4, 16, torch.float32, CPU, storage_dtype=torch.int8)
+    pool = KVCache(1, 2, HEAD_DIM, 4, 16, torch.float32, CPU, storage_dtype=torch.int8)
     inputs, _ = random_step(pool, [(30, 1), (0, 12), (5, 1)], seed=0)
     backend = TorchBackend(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)
@@ -211,13 +211,13 @@ def test_the_same_memory_holds_more_pages(qwen3_dir: str, name: str, dtype: str)
     engines = {
         kv: make_engine(qwen3_dir, kv, dtype=dtype, kv_cache_memory=memory) for kv in ("auto", name)
     }
-    shape = engines["auto"].runner.model_config
+    shape = engines["auto"].runner.shape
     # Per token and KV head, in both K and V of every layer: head_dim numbers in the model's
     # dtype, or head_dim bytes and a 4-byte scale.
     slots = 2 * shape.num_layers * 4 * shape.num_kv_heads
     full_page = slots * shape.head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     quantized_page = slots * (shape.head_dim + 4)
-    usable = {kv: engine.pool.num_usable_pages for kv, engine in engines.items()}
+    usable = {kv: engine.allocator.num_usable_pages for kv, engine in engines.items()}
     assert usable == {"auto": memory // full_page, name: memory // quantized_page}
     # head_dim 32: 3.6 times the float32 pages, 1.8 times the bfloat16 ones.
     assert usable[name] / usable["auto"] == pytest.approx(full_page / quantized_page, rel=0.02)
@@ -296,7 +296,7 @@ def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> 
     try:
         assert [o.token_ids for o in split.generate(prompts, greedy(8))] == expected
         stats = split.stats()
-        assert stats["kv_cache_bytes"] == 2 * split.engine.pool.nbytes  # both ranks' pools
+        assert stats["kv_cache_bytes"] == 2 * split.engine.runner.kv_cache.nbytes  # both ranks' pools
         assert stats["pages_used"] == 0
     finally:
         split.shutdown()
@@ -306,7 +306,7 @@ def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -
     memory = 1 << 20
     engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
                          kv_cache_memory=memory)
-    target, draft = engine.runner.pool, engine.proposer.runner.pool
+    target, draft = engine.runner.kv_cache, engine.proposer.runner.kv_cache
     assert draft.kv.dtype == torch.int8 and draft.scales is not None
     page_bytes = [pool.nbytes // pool.num_pages for pool in (target, draft)]
     assert draft.num_pages == target.num_pages == memory // sum(page_bytes) + 1
@@ -339,13 +339,13 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     memory = 400_000
     options = dict(attention_backend="flashinfer", kv_cache_memory=memory)
     engines = {kv: make_engine(model_dir, kv, **options) for kv in ("auto", "fp8_e4m3")}
-    pool = engines["fp8_e4m3"].pool
+    pool = engines["fp8_e4m3"].runner.kv_cache
     assert pool.kv.dtype == torch.float8_e4m3fn and pool.scales is None
-    shape = engines["auto"].runner.model_config
+    shape = engines["auto"].runner.shape
     fp8_page = 2 * shape.num_layers * 4 * shape.num_kv_heads * shape.head_dim  # bytes
     # One byte per number and no scales: four times float32's pages.
-    assert pool.num_usable_pages == memory // fp8_page
-    assert engines["auto"].pool.num_usable_pages == memory // (4 * fp8_page)
+    assert engines["fp8_e4m3"].allocator.num_usable_pages == memory // fp8_page
+    assert engines["auto"].allocator.num_usable_pages == memory // (4 * fp8_page)
     assert engines["fp8_e4m3"].stats()["kv_cache_bytes"] == pool.num_pages * fp8_page
 
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
@@ -371,13 +371,14 @@ def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
     cuda = torch.device("cuda")
 
-    def config(kv_cache_dtype: str) -> EngineConfig:
-        return EngineConfig(model="m", device="cpu", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    def choose(kv_dtype: torch.dtype) -> type:
+        shape = model_config.attention_shape()
+        return attention_backend_class(None, shape, 16, torch.bfloat16, kv_dtype, cuda)
 
-    assert attention_backend_class(config("fp8_e4m3"), model_config, cuda) is FlashInferBackend
+    assert choose(torch.float8_e4m3fn) is FlashInferBackend
     assert [args[3] for args in built] == [torch.float8_e4m3fn]
     with caplog.at_level(logging.WARNING):
-        assert attention_backend_class(config("int8"), model_config, cuda) is TorchBackend
+        assert choose(torch.int8) is TorchBackend
     [warning] = [record.getMessage() for record in caplog.records]
     assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 1
 
@@ -390,7 +391,7 @@ def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) 
     if flashinfer_unsupported_reason(64, torch.bfloat16, torch.float8_e4m3fn) is not None:
         pytest.skip("flashinfer cannot run here")
     cuda = torch.device("cuda")
-    pool = KVPool(1, 2, 64, 16, 16, torch.bfloat16, cuda, storage_dtype=torch.float8_e4m3fn,
+    pool = KVCache(1, 2, 64, 16, 16, torch.bfloat16, cuda, storage_dtype=torch.float8_e4m3fn,
                   per_vector_scales=False)
     every_slot = torch.arange(pool.num_pages * pool.page_size, device=cuda)
     pool.write(0, *torch.randn(2, every_slot.numel(), 2, 64, dtype=torch.bfloat16, device=cuda),
@@ -417,11 +418,11 @@ def test_on_cuda_fp8_runs_on_flashinfer_and_int8_on_the_torch_backend(
     options = dict(device="cuda", dtype="bfloat16", num_pages=40)
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
     fp8 = make_engine(model_64_dir, "fp8_e4m3", **options)
-    assert isinstance(fp8.runner.backend, FlashInferBackend) and fp8.pool.scales is None
+    assert isinstance(fp8.runner.backend, FlashInferBackend) and fp8.runner.kv_cache.scales is None
     assert all(len(tokens) == NEW_TOKENS for tokens in greedy_outputs(fp8, prompts))
     with caplog.at_level(logging.WARNING):
         int8 = make_engine(model_64_dir, "int8", **options)
-    assert isinstance(int8.runner.backend, TorchBackend) and int8.pool.scales is not None
+    assert isinstance(int8.runner.backend, TorchBackend) and int8.runner.kv_cache.scales is not None
     [warning] = [r.getMessage() for r in caplog.records if "int8" in r.getMessage()]
     assert "falling back" in warning
     assert all(len(tokens) == NEW_TOKENS for tokens in greedy_outputs(int8, prompts))

@@ -1,4 +1,5 @@
-"""Sizing the KV pool on a GPU (`memory_profile.py`), checked on the CPU where it can be.
+"""Sizing the KV cache on a GPU (`memory/sizing.py`, `runner/memory_profile.py`), checked on
+the CPU where it can be.
 
 The CUDA allocator's counters exist only on a GPU (`test_cuda.py` checks the sizes that
 come out there). What does not need them is checked here: the budget the pool gets from
@@ -15,13 +16,10 @@ from oracle import check_page_accounting, greedy, random_prompts
 
 from nanoqwen import LLMEngine
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.runner.memory_profile import (
-    Overhead,
-    kv_budget,
-    profile_overhead,
-    worst_step,
-)
-from nanoqwen.runner.runner import GatheredSampler
+from nanoqwen.memory.sizing import Overhead, WorstStep
+from nanoqwen.memory.sizing import gpu_kv_memory as kv_budget
+from nanoqwen.runner.memory_profile import profile_overhead, worst_step
+from nanoqwen.runner.runner import ModelRunner
 from nanoqwen.scheduling.batch import ScheduledBatch
 
 GIB = 2**30
@@ -98,13 +96,13 @@ def test_the_profiled_step_bounds_every_scheduled_step(
     """Requests (prompt length, max tokens, steps before the next arrives)."""
     engine = small_engine
     shapes = []
-    run = engine.runner.run
+    prepare = engine.runner.prepare
 
     def recorded(batch: ScheduledBatch):
         shapes.append(step_shape(batch))
-        return run(batch)
+        return prepare(batch)
 
-    monkeypatch.setattr(engine.runner, "run", recorded)
+    monkeypatch.setattr(engine.runner, "prepare", recorded)
     prompts = random_prompts(VOCAB, [length for length, _, _ in workload], seed=seed)
     for prompt, (_, max_tokens, steps_before) in zip(prompts, workload):
         for _ in range(steps_before):
@@ -148,15 +146,28 @@ class NoCounters:
         return 0
 
 
+LIMITS_OF_WORST = (LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_model_len"])
+WORST = WorstStep(*LIMITS_OF_WORST)
+
+
+def profile(
+    runner: ModelRunner, backend_class: type, buckets: list[int], worst: WorstStep = WORST
+) -> Overhead:
+    """Run the memory profile on the CPU, with `backend_class` and these graph buckets."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "backend_class", backend_class)
+        patch.setattr(runner, "decode_buckets", buckets)
+        return profile_overhead(
+            runner._make_cache, runner._make_pipeline, worst, LIMITS["page_size"],
+            NoCounters(), backend_class.__name__,
+        )
+
+
 def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
     small_engine: LLMEngine,
 ) -> None:
-    runner, config = small_engine.runner, small_engine.config
     SpyBackend.planned = []
-    profile_overhead(
-        runner.model, runner.sampler, SpyBackend, runner._make_pool, config,
-        LIMITS["max_model_len"], [1, 2, 4], NoCounters(),
-    )
+    profile(small_engine.runner, SpyBackend, [1, 2, 4])
     eager, bucket = SpyBackend.planned
     # Every sequence decoding and a full prefill chunk, all at max_model_len.
     assert eager.batch_size == LIMITS["max_num_seqs"] + 1
@@ -167,36 +178,30 @@ def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
     assert bucket.max_kv_len == LIMITS["max_model_len"]
 
 
-class SpySampler(GatheredSampler):
-    """The runner's sampler for the profile, noting how many rows it samples."""
-
-    rows: list = []
-
-    def sample(self, logits: torch.Tensor, requests: list) -> list[list[int]]:
-        SpySampler.rows.append(len(logits))
-        return super().sample(logits, requests)
-
-
 def test_with_speculation_the_profiled_step_verifies_drafts_for_every_sequence(
-    qwen3_dir: str,
+    qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = LLMEngine(
         qwen3_dir, speculative="ngram", num_speculative_tokens=3, num_pages=64,
         max_num_seqs=LIMITS["max_num_seqs"], chunk_size=LIMITS["chunk_size"],
     )
     runner = engine.runner
-    SpyBackend.planned, SpySampler.rows = [], []
-    sampler = SpySampler(runner.sampler, runner.tp, runner.vocab_size)
-    profile_overhead(
-        runner.model, sampler, SpyBackend, runner._make_pool, engine.config,
-        LIMITS["max_model_len"], [], NoCounters(),
-    )
+    rows: list[int] = []
+    choose = runner.choose_tokens
+
+    def spy(sampler, logits, requests):
+        rows.append(len(logits))
+        return choose(sampler, logits, requests)
+
+    monkeypatch.setattr(runner, "choose_tokens", spy)
+    SpyBackend.planned = []
+    profile(runner, SpyBackend, [], WorstStep(*LIMITS_OF_WORST, max_proposed=3))
     (step,) = SpyBackend.planned
     # Every sequence verifying 3 drafts (1 + 3 rows, all sampled), and a prefill chunk.
     decodes = [1 + 3] * LIMITS["max_num_seqs"]
     assert sorted(step.q_lens().tolist()) == sorted(decodes + [LIMITS["chunk_size"]])
     assert step.max_kv_len == LIMITS["max_model_len"]
-    assert SpySampler.rows == [1 + sum(decodes)]
+    assert rows == [1 + sum(decodes)]
 
 
 class OutOfMemoryBackend(TorchBackend):
@@ -205,9 +210,5 @@ class OutOfMemoryBackend(TorchBackend):
 
 
 def test_a_step_that_cannot_fit_says_what_to_change(small_engine: LLMEngine) -> None:
-    runner = small_engine.runner
     with pytest.raises(ValueError, match="OutOfMemoryBackend.*lower max_num_seqs"):
-        profile_overhead(
-            runner.model, runner.sampler, OutOfMemoryBackend, runner._make_pool,
-            small_engine.config, LIMITS["max_model_len"], [], NoCounters(),
-        )
+        profile(small_engine.runner, OutOfMemoryBackend, [])

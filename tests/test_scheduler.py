@@ -106,7 +106,7 @@ def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
 
 def test_request_that_can_never_fit(qwen2_dir: str) -> None:
     engine = LLMEngine(qwen2_dir, num_pages=4)  # 3 usable pages: 48 tokens
-    with pytest.raises(ValueError, match="KV pool holds only 48"):
+    with pytest.raises(ValueError, match="KV cache holds only 48"):
         engine.add_request(list(range(3, 60)), greedy(5))
     request_id = engine.add_request(list(range(3, 40)), greedy(100))
     output = run_to_completion(engine)[request_id]
@@ -185,7 +185,7 @@ def test_random_workload(
     after every step every page is free, cached or in use; every request finishes; every
     output is the plain greedy one (cut short only for a request that can't fit alone)."""
     engine, rng = tight_engine, random.Random(seed)
-    capacity = engine.pool.num_usable_pages * engine.pool.page_size
+    capacity = engine.allocator.num_usable_pages * engine.allocator.page_size
     prefixes = random_prompts(VOCAB, [8, 12, 20], seed=seed)
     added: dict[str, tuple[list[int], int]] = {}  # request id → (prompt, max_tokens)
     finished: dict[str, list[int] | None] = {}  # request id → tokens (None: aborted)
@@ -218,4 +218,4 @@ def test_random_workload(
     assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
     engine.reset_prefix_cache()
     check_page_accounting(engine)
-    assert engine.stats()["pages_free"] == engine.pool.num_usable_pages
+    assert engine.stats()["pages_free"] == engine.allocator.num_usable_pages

@@ -187,7 +187,7 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
         after["nanoqwen_time_to_first_token_seconds_count"]
     )
     pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in ("used", "cached", "free")]
-    assert pages[0] == 0 and sum(pages) == api_server.engine.pool.num_usable_pages
+    assert pages[0] == 0 and sum(pages) == api_server.engine.allocator.num_usable_pages
 
 
 # ---------------------------------------------------------------------------- concurrency

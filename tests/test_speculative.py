@@ -15,7 +15,7 @@ from oracle import check_page_accounting, greedy, random_prompts
 
 from nanoqwen import LLM, LLMEngine, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.speculative.proposers import NgramIndex
@@ -30,9 +30,9 @@ def check_speculation_invariants(engine: LLMEngine) -> None:
     """Page accounting, and between steps: no request carries drafts, and a running
     request holds exactly the pages of its computed (accepted) tokens."""
     check_page_accounting(engine)
-    page_size = engine.pool.page_size
+    page_size = engine.allocator.page_size
     for request in engine.requests.values():
-        assert not request.draft_token_ids and request.draft_probs is None
+        assert not request.proposed_token_ids
         assert request.num_computed_tokens < request.num_tokens
         if request.status is Status.RUNNING:
             assert len(request.pages) == -(-request.num_computed_tokens // page_size)
@@ -244,7 +244,7 @@ def test_draft_model_greedy_output_is_unchanged(
         assert stats["spec_acceptance_rate"] < 0.5
 
 
-def kv_of(pool: KVPool, request: Request, num_tokens: int) -> torch.Tensor:
+def kv_of(pool: KVCache, request: Request, num_tokens: int) -> torch.Tensor:
     """A pool's K/V of a request's first `num_tokens` tokens, `[layers, 2, tokens, ...]`."""
     size = pool.page_size
     slots = torch.tensor([request.pages[i // size] * size + i % size for i in range(num_tokens)])
@@ -274,9 +274,9 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
             batch = fresh.scheduler.schedule().batch
             fresh.runner.forward(fresh.runner.prepare(batch))
             probe = fresh.requests["probe"]
-            draft_pool = engine.proposer.runner.pool
+            draft_pool = engine.proposer.runner.kv_cache
             torch.testing.assert_close(
-                kv_of(draft_pool, request, computed), kv_of(fresh.pool, probe, computed)
+                kv_of(draft_pool, request, computed), kv_of(fresh.runner.kv_cache, probe, computed)
             )
             fresh.abort("probe")
             checked += 1
@@ -290,10 +290,10 @@ def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
     memory = 1 << 20
     engine = LLMEngine(qwen3_dir, draft_model=qwen2_dir, kv_cache_memory=memory, page_size=8)
     target, draft = engine.runner, engine.proposer.runner
-    page_bytes = [pool.kv[:, :, 0].nbytes for pool in (target.pool, draft.pool)]
-    assert draft.pool.num_pages == target.pool.num_pages == memory // sum(page_bytes) + 1
-    weights = sum(p.numel() * p.element_size() for p in draft.model.parameters())
-    assert target._draft_weight_bytes() == weights  # what CUDA sizing sets aside for it
+    page_bytes = [cache.kv[:, :, 0].nbytes for cache in (target.kv_cache, draft.kv_cache)]
+    assert draft.kv_cache.num_pages == target.kv_cache.num_pages == memory // sum(page_bytes) + 1
+    assert sum(page_bytes) == target.page_bytes + draft.page_bytes
+    assert engine.proposer.runners == [draft]  # sized and allocated with the target
 
 
 def test_ngram_speculation_across_tensor_parallel_ranks(
@@ -368,14 +368,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(qwen3_dir: str) -> None:
 def verify(logits: torch.Tensor, params: SamplingParams, drafts: list[int], probs=None,
            count: int = 1) -> list[list[int]]:
     """Verify `count` copies of one request with these drafts against these logits rows."""
-    requests = []
+    requests, draft_probs = [], {}
     for i in range(count):
         request = Request(f"r{i}", [1, 2, 3], params)
-        request.draft_token_ids = list(drafts) if isinstance(drafts[0], int) else list(drafts[i])
-        request.draft_probs = probs if probs is None or probs.dim() == 2 else probs[i]
+        request.proposed_token_ids = list(drafts) if isinstance(drafts[0], int) else list(drafts[i])
+        draft_probs[request] = probs if probs is None or probs.dim() == 2 else probs[i]
         requests.append(request)
     rows = torch.cat([logits] * count)
-    return sample_with_drafts(Sampler(), rows, requests)
+    return sample_with_drafts(Sampler(), rows, requests, draft_probs.get)
 
 
 def test_greedy_verification_keeps_the_matching_prefix_and_adds_one() -> None:

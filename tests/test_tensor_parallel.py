@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,18 +34,14 @@ from torch.distributed.run import main as torchrun
 from nanoqwen import LLM, SamplingParams, StepError
 from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.parallel.sharding import (
+from nanoqwen.model.layers import (
     TensorParallel,
     TensorSlice,
-    check_tensor_parallel,
-)
-from nanoqwen.parallel.step_broadcast import (
-    METADATA_INTS,
-    METADATA_TENSORS,
-    STEP_TENSORS,
+    check_splittable_shape,
+    split_across,
 )
 from nanoqwen.parallel.workers import WorkerFailure
-from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.runner.step_inputs import STEP_WIRE, StepInputs, build_step_inputs
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
 from nanoqwen.weights.checkpoint import read_checkpoint
@@ -191,7 +189,7 @@ def test_logprobs_match_one_device(
         assert [a.top[0][0] for a, _ in pairs] == [b.top[0][0] for _, b in pairs]
         assert [a.logprob for a, _ in pairs] == pytest.approx([b.logprob for _, b in pairs],
                                                               abs=1e-4)
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="embeddings need one rank"):
         split.embed("hello")
 
 
@@ -223,14 +221,14 @@ def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
     llm = engines.get(*setup)
     prompts, params = workload()
     expected = [o.token_ids for o in llm.generate(prompts, params)]
-    runner = llm.engine.runner
-    forward_shard = runner.forward_shard
+    pipeline = llm.engine.runner.pipeline
+    forward = pipeline.forward
 
     def interrupted(inputs: StepInputs) -> torch.Tensor | None:
         os.kill(os.getpid(), signal.SIGINT)  # arrives before this rank's all-reduces
-        return forward_shard(inputs)
+        return forward(inputs)
 
-    monkeypatch.setattr(runner, "forward_shard", interrupted)
+    monkeypatch.setattr(pipeline, "forward", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params)
     monkeypatch.undo()
@@ -245,14 +243,14 @@ def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
     llm = engines.get(*setup)
     workers = llm.engine.workers
     pids = workers.pids
-    runner = llm.engine.runner
-    forward_shard = runner.forward_shard
+    pipeline = llm.engine.runner.pipeline
+    forward = pipeline.forward
 
     def killing(inputs: StepInputs) -> torch.Tensor | None:
         os.kill(pids[-1], signal.SIGKILL)  # the other ranks are running this step too
-        return forward_shard(inputs)
+        return forward(inputs)
 
-    monkeypatch.setattr(runner, "forward_shard", killing)
+    monkeypatch.setattr(pipeline, "forward", killing)
     prompts, params = workload()
     for _ in range(2):  # the step the rank dies in, and any step after it
         start = time.monotonic()
@@ -263,9 +261,10 @@ def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
         assert isinstance(failure, WorkerFailure)
         assert f"worker {len(pids)} (pid {pids[-1]}) was killed by SIGKILL" in str(failure)
     assert llm.stats()["running"] == llm.stats()["waiting"] == 0
-    # The other workers failed in the same step, or exit once rank 0's pipes close.
-    for pipe in workers.pipes:
-        pipe.close()
+    # The other workers failed in the same step, or exit once rank 0's ends of their
+    # stdin close.
+    for process in workers.processes:
+        process.stdin.close()
     assert_gone(pids, within=5)
     engines.close()
 
@@ -288,7 +287,9 @@ def test_shapes_that_do_not_split_are_named(
 ) -> None:
     config = dataclasses.replace(read_checkpoint(qwen2_dir).model_config, **shape)
     with pytest.raises(ValueError, match=message):
-        check_tensor_parallel(config, size)
+        check_splittable_shape(
+            config.num_heads, config.num_kv_heads, config.intermediate_size, size
+        )
 
 
 @pytest.mark.parametrize("kind", ["gguf", "gptq", "int8 at run time"])
@@ -327,7 +328,8 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(
     for rank in range(size):
         SliceOnlyFile.elements_read = 0
         tp = TensorParallel(rank, size)
-        shard = load_model(checkpoint, torch.float32, torch.device("cpu"), tp=tp)
+        with split_across(tp):
+            shard = load_model(checkpoint, torch.float32, torch.device("cpu"))
         params = dict(shard.named_parameters())
         for name, tensor in params.items():
             expected = expected_slice(name, full, config, tp)
@@ -407,16 +409,29 @@ def expected_slice(
 
 
 def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> None:
-    """Every tensor of a step crosses to the other ranks; what stays on rank 0 is its
-    bookkeeping (which requests the rows are), never a tensor."""
+    """Every tensor of a step crosses to the other ranks, and arrives equal; what stays on
+    rank 0 is its bookkeeping (which requests the rows are), never a tensor."""
     request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
     inputs = build_step_inputs(ScheduledBatch([request], [9]), 4, torch.device("cpu"), pad_to=2)
+    wire = inputs.to_wire()
+    assert set(wire.tensors) == set(STEP_WIRE.tensor_names)
+    assert set(wire.ints) == set(STEP_WIRE.int_names)
+    received = StepInputs.from_wire(wire)
     for field in StepInputs.__dataclass_fields__:
-        if field not in (*STEP_TENSORS, "metadata"):
-            assert not isinstance(getattr(inputs, field), torch.Tensor), field
-    host_copies = {f for f in AttentionMetadata.__dataclass_fields__ if f.endswith("_host")}
-    carried = set(METADATA_TENSORS) | set(METADATA_INTS) | host_copies
-    assert set(AttentionMetadata.__dataclass_fields__) == carried
+        if field == "metadata":
+            continue
+        mine, theirs = getattr(inputs, field), getattr(received, field)
+        if isinstance(mine, torch.Tensor):
+            assert torch.equal(mine, theirs), field
+        else:
+            assert field in ("sampled_requests", "num_sampled_rows", "bucket"), field
+    assert received.bucket == inputs.bucket == 2
+    for field in AttentionMetadata.__dataclass_fields__:
+        mine, theirs = getattr(inputs.metadata, field), getattr(received.metadata, field)
+        if isinstance(mine, torch.Tensor):
+            assert torch.equal(mine, theirs), field
+        else:
+            assert mine == theirs, field
 
 
 def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
@@ -435,16 +450,14 @@ def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
 def test_workers_exit_by_themselves_when_rank_zero_is_gone(
     qwen2_dir: str, engines: Engines
 ) -> None:
-    """However rank 0 ends (SIGTERM, SIGKILL, a crash), its ends of the pipes close, and
-    that is all a worker needs to notice: here they close while rank 0 lives on."""
+    """However rank 0 ends (SIGTERM, SIGKILL, a crash), its end of a worker's stdin closes,
+    and that is all a worker needs to notice: here it closes while rank 0 lives on."""
     llm = engines.get(qwen2_dir, 2)
     workers = llm.engine.workers
-    (worker,), (pipe,) = workers.processes, workers.pipes
-    pipe.close()
-    # The engine's watcher thread reaps the worker too; if it wins that race, the exit
-    # code shows up here a moment after the join.
-    wait_until(lambda: worker.exitcode is not None, timeout=5)
-    assert worker.exitcode == 1  # its own exit, not our terminate
+    (worker,) = workers.processes
+    worker.stdin.close()
+    wait_until(lambda: worker.poll() is not None, timeout=5)
+    assert worker.returncode == 1  # its own exit, not our terminate
     start = time.monotonic()
     with pytest.raises(StepError) as raised:
         llm.generate(*workload())
@@ -481,3 +494,32 @@ def test_torchrun_runs_the_same_script_on_every_rank(
             signal.signal(sig, handler)
     expected = one_device(qwen3_dir).generate(random_prompts(VOCAB, [5, 30], seed=44), greedy(8))
     assert json.loads(result.read_text()) == [o.token_ids for o in expected]
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+from nanoqwen import LLM
+from oracle import greedy, random_prompts
+llm = LLM({model!r}, tensor_parallel_size=2, **{options!r})
+print("tokens", [o.token_ids for o in llm.generate(random_prompts({vocab}, [6, 17], seed=5), greedy(6))])
+"""
+
+
+@pytest.mark.parametrize("how", ["a script", "stdin", "-c"])
+def test_workers_never_import_the_callers_main_module(
+    how: str, qwen2_dir: str, tmp_path: Path, one_device: Callable[[str], LLM]
+) -> None:
+    """Workers are their own entry point: a script without an `if __name__ == "__main__":`
+    guard, a script piped on stdin and `python -c` all run a split model (and leave no
+    worker behind: the autouse check)."""
+    code = SCRIPT_WITHOUT_MAIN_GUARD.format(model=qwen2_dir, options=OPTIONS, vocab=VOCAB)
+    script = tmp_path / "generate.py"
+    script.write_text(code)
+    command = {"a script": [str(script)], "stdin": ["-"], "-c": ["-c", code]}[how]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    result = subprocess.run(
+        [sys.executable, *command], input=code if how == "stdin" else None, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    expected = one_device(qwen2_dir).generate(random_prompts(VOCAB, [6, 17], seed=5), greedy(6))
+    assert result.stdout.strip() == f"tokens {[o.token_ids for o in expected]}"

@@ -16,40 +16,63 @@ import functools
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import torch
+
 from nanoqwen import LLMEngine, SamplingParams
+from nanoqwen.runner.step_inputs import StepInputs
+from nanoqwen.scheduling.batch import ScheduledBatch
 from tools.bench_baseline import synchronize
 
 DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward passes
 
 
 class PhaseTimer:
-    """Wall time spent in each phase of `engine.step()`, summed over steps.
+    """Wall time spent in each phase of `engine.step()`, summed over steps: a step
+    observer (`engine.observe(timer)`). On CUDA the forward pass only queues kernels, so
+    the timer waits for them at the end of "forward", keeping their time there."""
 
-    Installed with `engine.instrument(timer.wrap)`. On CUDA the forward pass only launches
-    kernels; the wait for them lands in "sample", where the chosen ids reach the host.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
         self.seconds: dict[str, float] = {}
-        self.last_forward: Callable[[], Any] | None = None  # replays the latest forward pass
+        self.last_inputs: StepInputs | None = None  # the latest step, to replay its forward
 
-    def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if phase == "forward":
-                self.last_forward = functools.partial(function, *args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if name == "forward" and self.device is not None:
+                synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
-        return timed
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        self.last_inputs = inputs
 
     def reset(self) -> None:
         self.seconds = {}
+
+
+class Observers:
+    """Several step observers as one; the first one's phases enclose the others'."""
+
+    def __init__(self, *observers: Any) -> None:
+        self.observers = observers
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with ExitStack() as stack:
+            for observer in self.observers:
+                stack.enter_context(observer.phase(name))
+            yield
+
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        for observer in self.observers:
+            observer.laid_out(batch, inputs)
 
 
 class PoolTooSmall(Exception):
@@ -61,7 +84,7 @@ def measure_decode_overhead(
 ) -> dict[str, Any]:
     """Steady-state decode of `batch_size` requests: engine step vs. the forward pass alone.
 
-    `timer` must be installed on `engine`.
+    `timer` must be observing `engine`.
     """
     engine.reset_prefix_cache()
     preemptions_before = engine.stats()["preemptions"]
@@ -73,7 +96,8 @@ def measure_decode_overhead(
     ]
     try:
         _step_until_all_decode(engine, set(request_ids))
-        bare_forward = timer.last_forward
+        inputs = timer.last_inputs
+        bare_forward = functools.partial(engine.runner.forward, inputs)
         step_s, forward_s, phases_s = [], [], []
         for _ in range(DECODE_STEPS):
             timer.reset()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,37 +54,19 @@ class StepShape:
 
 
 class FloorRecorder:
-    """Records the engine's token schedule and times its attention backend.
-
-    Install with `engine.instrument(recorder.wrap)` *before* a `PhaseTimer`, so what the
-    recorder adds lands in the phase it belongs to, then `recorder.attach(engine)`.
-    """
+    """Records the engine's token schedule and times its attention backend: a step
+    observer, `recorder.attach(engine)` first (so that a `PhaseTimer` enclosing it counts
+    what the recorder adds in the phase it belongs to)."""
 
     def __init__(self) -> None:
         self.steps: list[StepShape] = []
         self.attention_timer: AttentionTimer | None = None
 
-    def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        if phase == "prepare":
+    def phase(self, name: str) -> AbstractContextManager[object]:
+        return nullcontext()
 
-            def recorded(batch: ScheduledBatch) -> StepInputs:
-                inputs = function(batch)
-                shape = StepShape(sum(batch.num_new_tokens), len(inputs.sampled_requests))
-                self.steps.append(shape)
-                return inputs
-
-            return recorded
-        if phase == "forward":
-
-            def waited(inputs: StepInputs) -> torch.Tensor:
-                # On CUDA the forward pass only queues kernels; waiting here keeps their
-                # time in the forward phase instead of the sampler's.
-                logits = function(inputs)
-                synchronize(logits.device)
-                return logits
-
-            return waited
-        return function
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        self.steps.append(StepShape(sum(batch.num_new_tokens), len(inputs.sampled_requests)))
 
     def attach(self, engine: LLMEngine) -> None:
         self.attention_timer = AttentionTimer(engine.runner.backend, engine.device)

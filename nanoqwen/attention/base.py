@@ -1,7 +1,7 @@
 """Attention over a paged KV cache: one metadata format, one interface, one reference.
 
 In transformers each request has its own contiguous KV tensor. Here the keys and values
-of a whole batch live scattered across pages of the shared pool (`kv_pool.py`), so an
+of a whole batch live scattered across pages of the shared KV cache (`memory/kv_cache.py`), so an
 attention kernel needs to know, for each request, which query tokens are new this step
 and which pages hold its keys. We describe that with flashinfer's CSR page table, for a
 batch of `B` requests and `T` new tokens:
@@ -12,7 +12,7 @@ batch of `B` requests and `T` new tokens:
 * `kv_last_page_len[B]`: how many slots of its last page are filled (1..page_size),
   counting this step's new tokens. So its KV length is `(num_pages - 1) * page_size + last`.
 * `positions[T]`: each new token's position in its sequence (RoPE uses it).
-* `slot_mapping[T]`: the flat pool slot (`page * page_size + offset`) each new token's
+* `slot_mapping[T]`: the flat cache slot (`page * page_size + offset`) each new token's
   K/V is written to.
 
 A prefill with a cached prefix, a decode, and any mix of them in one batch are all the
@@ -22,8 +22,8 @@ causally to everything before them.
 Each backend does two things per step: `plan(metadata)` once (shared by every layer),
 then `forward(layer, q, k, v)` per layer, which stores the new K/V in their slots and
 attends. `ReferenceBackend` below is the textbook version, request by request; the fast
-torch backend (`attention_torch.py`) and flashinfer's CUDA kernels
-(`attention_flashinfer.py`) compute the same thing from the same metadata, and the tests
+torch backend (`torch_backend.py`) and flashinfer's CUDA kernels
+(`flashinfer_backend.py`) compute the same thing from the same metadata, and the tests
 hold both to this one.
 """
 
@@ -34,7 +34,18 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the KV cache and an attention backend must know of a model: its layers and,
+    on this rank when the model is split, its query and KV heads."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass
@@ -80,11 +91,11 @@ class AttentionBackend(ABC):
     # Can a decode step's kernels be recorded in a CUDA graph? Only if `plan` writes the
     # step's page table into buffers that stay put (see `cuda_graph.py`).
     supports_cuda_graphs = False
-    # Does it read a quantized pool's scales per (token, KV head)? Else one per tensor.
+    # Does it read a quantized cache's scales per (token, KV head)? Else one per tensor.
     per_vector_kv_scales = True
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.pool = pool
+    def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -99,8 +110,8 @@ class AttentionBackend(ABC):
         """q `[T, heads, dim]`, k and v `[T, kv_heads, dim]` → output `[T, heads, dim]`."""
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store this step's keys and values in their pool slots (quantized, if it is)."""
-        self.pool.write(layer, k, v, slots)
+        """Store this step's keys and values in their cache slots (quantized, if it is)."""
+        self.kv_cache.write(layer, k, v, slots)
 
     def bind_graph_buffers(
         self,

@@ -1,6 +1,6 @@
 """flashinfer's paged-attention CUDA kernels behind the same interface as the torch backends.
 
-flashinfer reads the CSR page table of `attention.py` natively: it was designed around it.
+flashinfer reads the CSR page table of `base.py` natively: it was designed around it.
 It splits attention into `plan` (on the host: read the page table, split the work across
 thread blocks, copy that schedule to the device) and `run` (the kernels). A step is
 planned once, and every layer then calls `run`. That split is also what lets decode steps
@@ -10,13 +10,13 @@ flashinfer ships its kernels as CUDA sources: `plan` compiles the one a model ne
 nvcc the first time it is asked for (minutes), and later loads it from flashinfer's cache
 on disk. So whether flashinfer can serve a model is only known once its kernels are built.
 `check_flashinfer` builds them at start-up, by planning and running each kind of step once
-on a tiny pool, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
+on a tiny KV cache, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
 that won't load) the runner falls back to the torch backend, saying why.
 
 A KV cache in fp8 (`kv_cache_dtype="fp8_e4m3"`) is read by the same kernels, planned with
 `kv_data_type` fp8: they take one scale for all of a layer's keys and one for its values
-(`k_scale`, `v_scale` in `run`), so the pool is built without per-vector scales
-(`kv_pool.py`). flashinfer has no int8 KV kernels: an int8 cache runs on the torch backend.
+(`k_scale`, `v_scale` in `run`), so the cache is built without per-vector scales
+(`memory/kv_cache.py`). flashinfer has no int8 KV kernels: an int8 cache runs on the torch backend.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
-from nanoqwen.memory.kv_pool import TENSOR_SCALE, KVPool
-from nanoqwen.model.config import ModelConfig
-from nanoqwen.runner.step_inputs import StepInputsBuilder
+from nanoqwen.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from nanoqwen.memory.kv_cache import TENSOR_SCALE, KVCache
 
 logger = logging.getLogger(__name__)
 # Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
@@ -75,7 +73,7 @@ def flashinfer_unsupported_reason(
 
 
 def check_flashinfer(
-    model_config: ModelConfig,
+    shape: AttentionShape,
     page_size: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
@@ -86,14 +84,14 @@ def check_flashinfer(
     cannot serve the model here."""
     if device.type != "cuda":
         return f"flashinfer needs a CUDA device, not {device}"
-    reason = flashinfer_unsupported_reason(model_config.head_dim, dtype, kv_dtype)
+    reason = flashinfer_unsupported_reason(shape.head_dim, dtype, kv_dtype)
     if reason is not None:
         return reason
     start = time.perf_counter()
     try:
         status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
         with console.status(status):
-            warm_up_kernels(model_config, page_size, dtype, kv_dtype, device)
+            warm_up_kernels(shape, page_size, dtype, kv_dtype, device)
     # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
     # flashinfer raises many kinds of errors, and each means it cannot serve this model.
     except Exception as error:
@@ -105,34 +103,53 @@ def check_flashinfer(
 
 
 def warm_up_kernels(
-    model_config: ModelConfig,
+    shape: AttentionShape,
     page_size: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Plan and run a prefill and a decode of one request on a throwaway one-layer pool.
+    """Plan and run a prefill and a decode of one request on a throwaway one-layer KV cache.
 
     Planning is what makes flashinfer build or load a kernel, so this makes it get every
     kernel a step of this model can use (the graph buckets' decode wrappers run the same
     decode kernel); running them checks that they load and launch.
     """
-    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
-    head_dim = model_config.head_dim
+    heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
-    pool = KVPool(
+    kv_cache = KVCache(
         1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device,
         storage_dtype=kv_dtype, per_vector_scales=FlashInferBackend.per_vector_kv_scales,
     )
-    backend = FlashInferBackend(pool, heads, kv_heads, head_dim)
+    backend = FlashInferBackend(kv_cache, heads, kv_heads, head_dim)
     for num_tokens in (2, 1):  # a prefill, then a decode
-        builder = StepInputsBuilder(page_size)
-        builder.add_row([0] * num_tokens, 0, pages[: -(-num_tokens // page_size)], 0)
-        backend.plan(builder.build(device, [], []).metadata)
+        backend.plan(one_request(num_tokens, pages, page_size, device))
         q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
         k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
         backend.forward(0, q, k, v)
     torch.cuda.synchronize(device)
+
+
+def one_request(
+    num_tokens: int, pages: list[int], page_size: int, device: torch.device
+) -> AttentionMetadata:
+    """The page table of one fresh request of `num_tokens` tokens on (the first of) `pages`."""
+    pages = pages[: -(-num_tokens // page_size)]
+    host = {
+        "qo_indptr": torch.tensor([0, num_tokens], dtype=torch.int32),
+        "kv_indptr": torch.tensor([0, len(pages)], dtype=torch.int32),
+        "kv_last_page_len": torch.tensor([num_tokens - (len(pages) - 1) * page_size],
+                                         dtype=torch.int32),
+    }
+    slots = [pages[p // page_size] * page_size + p % page_size for p in range(num_tokens)]
+    return AttentionMetadata(
+        **{name: tensor.to(device) for name, tensor in host.items()},
+        kv_indices=torch.tensor(pages, dtype=torch.int32, device=device),
+        positions=torch.arange(num_tokens, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_q_len=num_tokens, max_kv_len=num_tokens,
+        **{f"{name}_host": tensor for name, tensor in host.items()},
+    )
 
 
 class FencedWrapper:
@@ -176,19 +193,19 @@ class FlashInferBackend(AttentionBackend):
     Every wrapper is a `FencedWrapper` with its own event, since each has its own staging
     buffer. All wrappers share one workspace buffer, allocated here. New keys and values
     are stored with the same indexed copy into `slot_mapping` as the torch backend uses
-    (cast to fp8 first, for an fp8 pool), which a CUDA graph replays like any other kernel.
+    (cast to fp8 first, for an fp8 cache), which a CUDA graph replays like any other kernel.
     """
 
     supports_cuda_graphs = True
     per_vector_kv_scales = False
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim)
-        device, dtype, kv_dtype = pool.kv.device, pool.dtype, pool.kv.dtype
+    def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim)
+        device, dtype, kv_dtype = kv_cache.kv.device, kv_cache.dtype, kv_cache.kv.dtype
         reason = flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
         if reason is not None:
             raise ValueError(reason)
-        if pool.scales is not None:
+        if kv_cache.scales is not None:
             raise ValueError("flashinfer takes one KV scale per tensor, not one per vector")
         import flashinfer
 
@@ -198,7 +215,7 @@ class FlashInferBackend(AttentionBackend):
         self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
         # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
         self.kv_scales = (
-            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if pool.is_quantized else {}
+            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if kv_cache.is_quantized else {}
         )
         self.prefill_wrapper = self._fenced(
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -239,7 +256,7 @@ class FlashInferBackend(AttentionBackend):
         self.metadata = metadata
         kv_indptr = metadata.on_host("kv_indptr")
         last_page_len = metadata.on_host("kv_last_page_len")
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.pool.page_size)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size)
         if metadata.is_decode:
             self.wrapper = self.graph_decode_wrappers.get(metadata.batch_size, self.decode_wrapper)
             self.wrapper.plan(
@@ -257,4 +274,4 @@ class FlashInferBackend(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
-        return self.wrapper.run(q, self.pool.layer_cache(layer), **self.kv_scales)
+        return self.wrapper.run(q, self.kv_cache.layer_cache(layer), **self.kv_scales)

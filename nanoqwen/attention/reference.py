@@ -15,12 +15,12 @@ class ReferenceBackend(AttentionBackend):
     and let its new queries attend causally over it with SDPA. Query `j` of a request with
     `q_len` new tokens sits at position `kv_len - q_len + j`, so it sees keys `0..` that
     position. Simple and exact; a loop in Python per request, and a copy of every key
-    (dequantized, from a quantized pool).
+    (dequantized, from a quantized cache).
     """
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        page_size = self.pool.page_size
+        page_size = self.kv_cache.page_size
         qo_indptr = metadata.on_host("qo_indptr").tolist()
         kv_indptr = metadata.on_host("kv_indptr").tolist()
         last_page_len = metadata.on_host("kv_last_page_len").tolist()
@@ -40,8 +40,8 @@ class ReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         for rows, pages, kv_len in self.requests:
             # [kv_len, kv_heads, dim]
-            keys = self.pool.gather(layer, 0, pages).flatten(0, 1)[:kv_len]
-            values = self.pool.gather(layer, 1, pages).flatten(0, 1)[:kv_len]
+            keys = self.kv_cache.gather(layer, 0, pages).flatten(0, 1)[:kv_len]
+            values = self.kv_cache.gather(layer, 1, pages).flatten(0, 1)[:kv_len]
             queries = q[rows]  # [q_len, heads, dim]
             q_positions = torch.arange(kv_len - len(queries), kv_len, device=q.device)
             causal = torch.arange(kv_len, device=q.device) <= q_positions[:, None]

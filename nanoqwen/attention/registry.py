@@ -6,12 +6,10 @@ import logging
 
 import torch
 
-from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.attention.base import AttentionBackend, AttentionShape
 from nanoqwen.attention.flashinfer_backend import FlashInferBackend, check_flashinfer
 from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.config import EngineConfig
-from nanoqwen.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +22,20 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def attention_backend_class(
-    config: EngineConfig, model_config: ModelConfig, device: torch.device
+    name: str | None,
+    shape: AttentionShape,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
 ) -> type[AttentionBackend]:
-    """The backend asked for by name; otherwise flashinfer on CUDA once its kernels for the
-    model are built and run, the torch backend everywhere else."""
-    name = config.attention_backend
+    """The backend asked for by `name`; otherwise flashinfer on CUDA once its kernels for
+    `shape` (this rank's heads) are built and run, the torch backend everywhere else."""
     if name not in (None, "flashinfer"):
         return ATTENTION_BACKENDS[name]
     if name is None and device.type != "cuda":
         return TorchBackend
-    reason = check_flashinfer(
-        model_config, config.page_size, config.dtype, config.kv_storage_dtype, device
-    )
+    reason = check_flashinfer(shape, page_size, dtype, kv_dtype, device)
     if reason is None:
         return FlashInferBackend
     if name == "flashinfer":

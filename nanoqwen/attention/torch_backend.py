@@ -1,15 +1,15 @@
 """The fast torch attention backend: the reference, minus its copies and its Python loop.
 
-`ReferenceBackend` (`attention.py`) attends request by request, copying every key and
+`ReferenceBackend` (`base.py`) attends request by request, copying every key and
 value into a contiguous block first. On a CPU that copy, not the arithmetic, is most of a
 decode step: a decode reads a whole context of keys for a single query. This backend
 computes the same result with a few batched calls per layer, each kind of request its
 own way:
 
-* **Decodes read the pool where it lies**: a `SparseDecodeGroup`. The page table, spelled
+* **Decodes read the KV cache where it lies**: a `SparseDecodeGroup`. The page table, spelled
   out slot by slot, becomes the sparsity pattern of a sparse matrix, and attention becomes
   two sparse-dense products that touch each key and value once. torch has those products
-  in float32/float64 only, so a bfloat16 (or float16) pool first has the decodes' pages
+  in float32/float64 only, so a bfloat16 (or float16) cache first has the decodes' pages
   gathered, a page at a time, into a float32 workspace: scores and weights are computed
   in float32 from the exact low-precision values, and only the output is rounded.
 * **Fresh prompts attend to their own new keys**: a prompt with nothing cached sees only
@@ -19,7 +19,7 @@ own way:
   continuing a chunk or a prefix-cache hit). Their pages are gathered into a reused
   workspace and one SDPA call attends them all with a mask.
 
-A quantized pool (`kv_cache_dtype` int8 or fp8, see `kv_pool.py`) has no sparse product
+A quantized cache (`kv_cache_dtype` int8 or fp8, see `memory/kv_cache.py`) has no sparse product
 in its storage type, so its decodes join the padded group: their pages are gathered and
 dequantized like a continuing prefill's. Fresh prompts still attend their own keys as
 computed, which are at hand before they are quantized.
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.kv_cache import KVCache
 
 # torch multiplies sparse CSR matrices with a sampled dense product in these dtypes only.
 SPARSE_DTYPES = (torch.float32, torch.float64)
@@ -51,7 +51,7 @@ SPARSE_DTYPES = (torch.float32, torch.float64)
 
 @dataclass
 class SparseDecodeGroup:
-    """Decodes attended straight from the pool, as two sparse matrix products.
+    """Decodes attended straight from the cache, as two sparse matrix products.
 
     Flatten a layer's keys to a `[num_slots * kv_heads, D]` matrix `K`: row
     `slot * kv_heads + h` is slot `slot` of KV head `h`. Give every (request, query head)
@@ -69,10 +69,10 @@ class SparseDecodeGroup:
     # Each layer's scores, scattered to [B * heads, max_kv] for the softmax. Only real
     # entries are overwritten per layer, so the padding stays -inf for the whole step.
     dense_scores: torch.Tensor
-    # Each nonzero's row of `V`: the pool's values are always read where they lie.
+    # Each nonzero's row of `V`: the cache's values are always read where they lie.
     value_columns: torch.Tensor  # [nnz]
     # Pool pages whose keys are gathered into a float32 copy first, whose slots `pattern`
-    # then addresses; None when the pool's own dtype has the sampled product.
+    # then addresses; None when the cache's own dtype has the sampled product.
     gathered_pages: torch.Tensor | None
 
 
@@ -95,23 +95,23 @@ class TorchBackend(AttentionBackend):
     attends each kind of request its own way.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim)
-        self.gathers_keys = pool.dtype not in SPARSE_DTYPES
+    def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim)
+        self.gathers_keys = kv_cache.dtype not in SPARSE_DTYPES
         # Gathered pages: in the dtype attention computes in, and for decodes' keys in float32.
-        self.key_workspace = self.value_workspace = pool.kv.new_empty(0, dtype=pool.dtype)
-        self.float_key_workspace = pool.kv.new_empty(0, dtype=torch.float32)
+        self.key_workspace = self.value_workspace = kv_cache.kv.new_empty(0, dtype=kv_cache.dtype)
+        self.float_key_workspace = kv_cache.kv.new_empty(0, dtype=torch.float32)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        page_size = self.pool.page_size
+        page_size = self.kv_cache.page_size
         qo_indptr = metadata.on_host("qo_indptr")
         kv_indptr = metadata.on_host("kv_indptr")
         q_lens = _lengths(qo_indptr)
         kv_lens = (_lengths(kv_indptr) - 1) * page_size + metadata.on_host("kv_last_page_len")
         is_fresh = (q_lens > 1) & (q_lens == kv_lens)
-        # Decodes read a quantized pool through the padded group's dequantizing gather.
-        is_decode = (q_lens == 1) & (not self.pool.is_quantized)
+        # Decodes read a quantized cache through the padded group's dequantizing gather.
+        is_decode = (q_lens == 1) & (not self.kv_cache.is_quantized)
         continuing = ~is_decode & ~is_fresh
         q_starts = qo_indptr[:-1]
         self.fresh_rows = [
@@ -130,7 +130,7 @@ class TorchBackend(AttentionBackend):
         self._reserve_workspaces(workspace_pages)
 
     def _reserve_workspaces(self, num_pages: int) -> None:
-        page_shape = self.pool.layer_cache(0)[0].shape[1:]
+        page_shape = self.kv_cache.layer_cache(0)[0].shape[1:]
         if self.key_workspace.shape[0] < num_pages:
             self.key_workspace = self.key_workspace.new_empty(num_pages, *page_shape)
             self.value_workspace = torch.empty_like(self.key_workspace)
@@ -141,7 +141,7 @@ class TorchBackend(AttentionBackend):
         self, metadata: AttentionMetadata, decodes: torch.Tensor, kv_lens: torch.Tensor
     ) -> SparseDecodeGroup:
         """The sparse pattern of `decodes` (host indices into the batch)."""
-        page_size, device = self.pool.page_size, metadata.kv_indices.device
+        page_size, device = self.kv_cache.page_size, metadata.kv_indices.device
         kv_lens = kv_lens[decodes]
         max_kv = int(kv_lens.max())
         max_pages = -(-max_kv // page_size)
@@ -163,7 +163,7 @@ class TorchBackend(AttentionBackend):
             return all_columns.flatten()[dense_index]
 
         value_columns = columns(_page_table(metadata.kv_indptr, metadata.kv_indices, rows, max_pages))
-        key_columns, num_key_pages, gathered_pages = value_columns, self.pool.num_pages, None
+        key_columns, num_key_pages, gathered_pages = value_columns, self.kv_cache.num_pages, None
         if self.gathers_keys:
             # Gather the decodes' key pages, each once, and address the gathered copy: the
             # same page table, renumbered to the copy's pages 0, 1, 2, ...
@@ -181,7 +181,7 @@ class TorchBackend(AttentionBackend):
         row_lengths = kv_lens.repeat_interleave(self.num_heads)
         crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
         num_rows = crow.numel() - 1
-        dtype = torch.float32 if self.gathers_keys else self.pool.dtype
+        dtype = torch.float32 if self.gathers_keys else self.kv_cache.dtype
         num_key_rows = num_key_pages * page_size * self.num_kv_heads
         return SparseDecodeGroup(
             query_rows=metadata.qo_indptr[:-1][rows].long(),
@@ -205,7 +205,7 @@ class TorchBackend(AttentionBackend):
     ) -> PaddedGroup:
         """Index tensors for `requests` (host indices into the batch, whose host-side query
         starts, query lengths and KV lengths are given)."""
-        page_size, device = self.pool.page_size, metadata.kv_indices.device
+        page_size, device = self.kv_cache.page_size, metadata.kv_indices.device
         q_start, q_lens, kv_lens = q_starts[requests], q_lens[requests], kv_lens[requests]
         max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
@@ -261,9 +261,9 @@ class TorchBackend(AttentionBackend):
         q: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        keys, v_cache = self.pool.layer_cache(layer)
+        keys, v_cache = self.kv_cache.layer_cache(layer)
         if group.gathered_pages is not None:
-            gathered = self.pool.gather(layer, 0, group.gathered_pages, self.key_workspace)
+            gathered = self.kv_cache.gather(layer, 0, group.gathered_pages, self.key_workspace)
             keys = self.float_key_workspace[: gathered.shape[0]].copy_(gathered)  # exact
         keys = keys.view(-1, self.head_dim)
         queries = q.index_select(0, group.query_rows).view(-1, self.head_dim)  # [B*heads, D]
@@ -297,9 +297,9 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         batch, pages = group.kv_pages.shape[0], group.kv_pages.flatten()
         # [B * P, page_size, kv_heads, D] → [B, kv_heads, P * page_size, D]
-        keys = self.pool.gather(layer, 0, pages, self.key_workspace)
+        keys = self.kv_cache.gather(layer, 0, pages, self.key_workspace)
         keys = keys.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = self.pool.gather(layer, 1, pages, self.value_workspace)
+        values = self.kv_cache.gather(layer, 1, pages, self.value_workspace)
         values = values.view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         queries = q[group.query_rows].transpose(1, 2)  # [B, heads, max_q, D]
         attended = F.scaled_dot_product_attention(

@@ -1,5 +1,7 @@
-"""Where keys and values live: the paged KV cache and the prefix cache that shares it.
+"""Where keys and values live: the paged KV cache, and who holds which page.
 
-Read `kv_pool.py` (one preallocated pool cut into pages, with reference counts) and
-`radix_cache.py` (a radix tree of token prefixes whose pages later requests reuse).
+Read `page_allocator.py` (pages handed out on the host: a free list and reference
+counts), `kv_cache.py` (the K/V tensors on the device, in pages, optionally one byte per
+number), `radix_cache.py` (a radix tree of token prefixes whose pages later requests
+reuse) and `sizing.py` (how many pages to make).
 """

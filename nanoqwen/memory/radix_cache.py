@@ -12,7 +12,7 @@ each) and children are keyed by the first page of their edge, so a match never e
 the middle of a page. A request's partial last page is recomputed, never shared, which
 keeps every shared page read-only.
 
-Ownership is by reference count in the pool (`kv_pool.py`): the tree holds one reference
+Ownership is by reference count in the page allocator (`page_allocator.py`): the tree holds one reference
 to each of its pages, and each request holds one to each page in its page table. A page
 held only by the tree is *cached*: reusable, and evictable under memory pressure. A page
 that some request holds is *in use* and cannot be evicted, whether or not the tree also
@@ -29,7 +29,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.page_allocator import PageAllocator
 
 _clock = itertools.count()
 
@@ -44,9 +44,9 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.page_size = pool.page_size
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
         self.root = Node()
         self.num_pages = 0
         self.query_tokens = 0
@@ -76,7 +76,7 @@ class RadixCache:
             if shared_pages < len(child.pages):
                 break
             node = child
-        self.pool.retain(pages)
+        self.allocator.retain(pages)
         return pages
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -120,7 +120,7 @@ class RadixCache:
     def _add_leaf(self, parent: Node, tokens: list[int], pages: list[int], now: int) -> None:
         leaf = Node(tokens=tokens, pages=list(pages), parent=parent, last_used=now)
         parent.children[self._key(tokens, 0)] = leaf
-        self.pool.cache_retain(leaf.pages)
+        self.allocator.cache_retain(leaf.pages)
         self.num_pages += len(leaf.pages)
 
     def _split(self, node: Node, num_pages: int) -> Node:
@@ -155,8 +155,8 @@ class RadixCache:
     def _trim(self, leaf: Node, limit: int) -> int:
         """Drop up to `limit` pages from the end of a leaf, stopping at one a request holds."""
         trimmed = 0
-        while leaf.pages and trimmed < limit and self.pool.ref_counts[leaf.pages[-1]] == 1:
-            self.pool.cache_release([leaf.pages.pop()])
+        while leaf.pages and trimmed < limit and self.allocator.ref_counts[leaf.pages[-1]] == 1:
+            self.allocator.cache_release([leaf.pages.pop()])
             trimmed += 1
         if trimmed:
             # Keep the edge whole pages long; a fully emptied leaf keeps its first page's

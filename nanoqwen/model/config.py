@@ -1,7 +1,7 @@
 """The model's shape: the only facts the decoder needs about a checkpoint.
 
-`ModelConfig` is read from transformers' config object (`config.json`, or a GGUF file's
-metadata turned into one by `weights/`). The decoder in `qwen.py` is built from it alone;
+`ModelConfig` is read from transformers' config object (`config.json`, or whatever a
+checkpoint format keeps instead, turned into one by `weights/`). The decoder in `qwen.py` is built from it alone;
 the transformers config rides along because its rotary-embedding helpers need it.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
+
+from nanoqwen.attention.base import AttentionShape
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
@@ -34,6 +36,10 @@ class ModelConfig:
     max_position_embeddings: int
     rope_type: str
     hf_config: PretrainedConfig
+
+    def attention_shape(self) -> AttentionShape:
+        """The whole model's heads (one rank of a split model holds fewer)."""
+        return AttentionShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:

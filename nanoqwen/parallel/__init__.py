@@ -1,6 +1,8 @@
 """Tensor parallelism: one model split across ranks (GPUs, or CPU processes).
 
-Read `sharding.py` (which slice of every weight a rank holds, and the collectives),
-`workers.py` (starting, watching and stopping the other ranks) and `step_broadcast.py`
+How each weight splits lives with the layers that split it (`model/layers.py`), so the
+decoder reads like the one-device model; this room is what runs around it. Read
+`launch.py` (checks, then starting the ranks), `worker.py` (a worker process's life),
+`workers.py` (rank 0's handle on them: steps, deaths, shutdown) and `step_broadcast.py`
 (each step's inputs sent from rank 0 to the others).
 """

@@ -15,12 +15,12 @@ shapes, reading and writing the same addresses. Four ideas make decode fit that 
   into tensors that never move, and the graph leaves its logits in another. All buckets
   share one set, sized for the largest; bucket b uses the first b rows.
 * **A scratch page.** Padding rows must be harmless: each is a one-token request on the
-  pool's scratch page (`kv_pool.py`), and its logits row is dropped.
+  KV cache's scratch page (`memory/page_allocator.py`), and its logits row is dropped.
 * **Plan outside the graph.** Only flashinfer's `run` is captured, never its `plan`
-  (`attention_flashinfer.py`). Before every replay, `plan` runs with the new page table
+  (`attention/flashinfer_backend.py`). Before every replay, `plan` runs with the new page table
   and writes its schedule into fixed buffers that the captured kernels read.
 
-Graphs are captured at start-up (`capture_all`, once the KV pool they read exists),
+Graphs are captured at start-up (`capture_all`, once the KV cache they read exists),
 largest bucket first, all sharing one memory pool: the temporaries of a forward pass live
 in that pool for as long as the graph does, and the smaller graphs fit in the space the
 largest one needed. Prefill and mixed steps, and decode steps above the largest bucket,
@@ -38,14 +38,13 @@ import bisect
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
-from nanoqwen.config import EngineConfig
-from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.runner.step_inputs import PAGE_TABLE_TENSORS, StepInputs
 from nanoqwen.scheduling.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -53,10 +52,6 @@ logger = logging.getLogger(__name__)
 # Bigger decode steps run long enough that launch overhead no longer matters.
 MAX_BUCKET = 256
 DEFAULT_BUCKETS = [1, 2, 4, 8, *range(16, MAX_BUCKET + 1, 8)]
-# The page-table tensors of a step, copied into the static buffers of the same name.
-STEP_TENSORS = (
-    "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping"
-)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -66,28 +61,30 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 def can_capture(
-    device: torch.device, backend_class: type[AttentionBackend], model_config: ModelConfig
+    device: torch.device, backend_class: type[AttentionBackend], rope_type: str
 ) -> bool:
     """Graphs need CUDA, a backend that plans into fixed buffers, and a forward pass that
     never reads device values on the host (dynamic RoPE does, to pick its scaling)."""
-    return (
-        device.type == "cuda"
-        and backend_class.supports_cuda_graphs
-        and model_config.rope_type != "dynamic"
-    )
+    return device.type == "cuda" and backend_class.supports_cuda_graphs and rope_type != "dynamic"
 
 
 def decode_buckets(
-    config: EngineConfig, model_config: ModelConfig, backend_class: type[AttentionBackend]
+    asked: list[int] | None,
+    enforce_eager: bool,
+    max_num_seqs: int,
+    device: torch.device,
+    backend_class: type[AttentionBackend],
+    rope_type: str,
 ) -> list[int]:
-    """The batch sizes decode steps are padded to; none means every step runs eagerly."""
-    if config.enforce_eager:
+    """The batch sizes decode steps are padded to (`asked`, or the defaults where graphs
+    can be captured); none means every step runs eagerly."""
+    if enforce_eager:
         return []
-    if config.decode_buckets is not None:
-        return list(config.decode_buckets)
-    if not can_capture(config.device, backend_class, model_config):
+    if asked is not None:
+        return list(asked)
+    if not can_capture(device, backend_class, rope_type):
         return []
-    return default_buckets(config.max_num_seqs)
+    return default_buckets(max_num_seqs)
 
 
 class DecodeGraphRunner:
@@ -104,8 +101,8 @@ class DecodeGraphRunner:
         self.model = model
         self.backend = backend
         self.buckets = sorted(buckets)
-        self.page_size = backend.pool.page_size
-        self.device = backend.pool.kv.device
+        self.page_size = backend.kv_cache.page_size
+        self.device = backend.kv_cache.kv.device
         largest = self.buckets[-1]
         max_pages = largest * -(-max_model_len // self.page_size)
         int32 = {"dtype": torch.int32, "device": self.device}
@@ -139,21 +136,18 @@ class DecodeGraphRunner:
                 )
 
     # ----------------------------------------------------------------- per step
-    def bucket_for(self, batch: ScheduledBatch) -> int | None:
-        """The bucket a decode-only batch pads to; None for other steps and oversized ones."""
+    def bucket_for(self, batch: ScheduledBatch) -> int:
+        """The bucket a decode-only batch pads to; 0 (eager) for other steps and oversized
+        ones."""
         if len(batch) > self.buckets[-1] or not batch.is_decode_only():
-            return None
+            return 0
         return self.buckets[bisect.bisect_left(self.buckets, len(batch))]
-
-    def handles(self, metadata: AttentionMetadata) -> bool:
-        """Is this a step padded to one of the buckets?"""
-        return metadata.is_decode and metadata.batch_size in self.buckets
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows, `[S, vocab]`, of a step padded to a bucket."""
         metadata = self.load(inputs)
         self.backend.plan(metadata)
-        graph = self.graphs.get(metadata.batch_size)
+        graph = self.graphs.get(inputs.bucket)
         if graph is not None:
             graph.replay()
         else:
@@ -164,7 +158,7 @@ class DecodeGraphRunner:
         """Copy a step into the static buffers; return its page table viewing them."""
         self.input_ids[: inputs.input_ids.numel()].copy_(inputs.input_ids)
         views = {}
-        for name in STEP_TENSORS:
+        for name in PAGE_TABLE_TENSORS:
             step_tensor = getattr(inputs.metadata, name)
             views[name] = getattr(self.static, name)[: step_tensor.numel()]
             views[name].copy_(step_tensor)
@@ -177,18 +171,22 @@ class DecodeGraphRunner:
         self.logits[:bucket].copy_(logits)
 
     # ----------------------------------------------------------------- start-up
-    def capture_all(self) -> None:
-        """Record every bucket's graph, where graphs can be captured (a no-op elsewhere).
+    def capture_all(self, padding_step: Callable[[int], StepInputs]) -> None:
+        """Record every bucket's graph, where graphs can be captured (a no-op elsewhere),
+        from `padding_step(bucket)`: a step of padding rows only, laid out as any step is.
 
-        Capture records on the current CUDA device, so the caller makes the pool's current.
+        Capture records on the current CUDA device, so the caller makes the cache's current.
+        Each runner captures on a stream of its own, on its own device: torch's default
+        capture stream belongs to whichever device captured first in the process.
         """
-        if not can_capture(self.device, type(self.backend), self.model.config):
+        if not can_capture(self.device, type(self.backend), self.model.config.rope_type):
             return
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
         pool = None
         # Largest first: the smaller graphs then fit in the pool the largest one made.
         for bucket in reversed(self.buckets):
-            pool = self.capture(bucket, pool)
+            pool = self.capture(padding_step(bucket), stream, pool)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs for batch sizes %d-%d in %.1f s (%.0f MiB)",
@@ -196,16 +194,17 @@ class DecodeGraphRunner:
             (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
 
-    def capture(self, bucket: int, pool: tuple[int, int] | None) -> tuple[int, int]:
-        """Record the forward pass of `bucket` padding rows; return the graph's memory pool."""
-        no_requests = ScheduledBatch([], [])
-        metadata = self.load(build_step_inputs(no_requests, self.page_size, self.device, bucket))
+    def capture(
+        self, step: StepInputs, stream: torch.cuda.Stream, pool: tuple[int, int] | None
+    ) -> tuple[int, int]:
+        """Record the forward pass of a padding step; return the graph's memory pool."""
+        metadata = self.load(step)
         self.backend.plan(metadata)
         # Lazy set-up (loading kernels, creating library handles) cannot happen during a
         # capture, so run once eagerly first.
         self.run_model(metadata)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.run_model(metadata)
-        self.graphs[bucket] = graph
+        self.graphs[step.bucket] = graph
         return graph.pool()

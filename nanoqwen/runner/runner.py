@@ -2,70 +2,80 @@
 
 The engine thinks in requests; the runner turns one step of them into tokens. It owns:
 
-* **the model**, loaded from the checkpoint (`loader.py`);
-* **the KV pool**, sized once at start-up by `num_kv_pages()`: what the user asked for,
-  or on a GPU what is left after the weights, the attention and graph buffers, the
-  biggest step's activations and the graph pool (measured by `memory_profile.py`), or on
-  a CPU a stated share of the available memory;
+* **the model**, loaded from the checkpoint (`weights/loader.py`), split across ranks
+  when there are several (`model/layers.py`);
 * **the attention backend**: flashinfer on CUDA when its kernels build and run for the
-  model (and its KV cache dtype), else the fast torch backend (`attention_backend` picks
-  one by name; "reference" is the textbook one);
-* **the decode CUDA graphs** (`cuda_graph.py`), captured at start-up;
-* **the sampler**.
+  model (and its KV cache dtype), else the fast torch backend (`attention/registry.py`);
+* **the KV cache on the device** (`memory/kv_cache.py`), sized once at start-up: the
+  runner reports what a page costs and, on a GPU, what the rest of the engine needs
+  beside it (`measure_overhead`); `plan_kv_pages` turns that and the user's budget into a
+  page count, and `allocate_kv_cache` makes the cache. Which page is whose is the
+  engine's business (`memory/page_allocator.py`), not the runner's;
+* **the step pipeline** (`pipeline.py`: lay out, plan, forward, choose tokens), with the
+  decode CUDA graphs (`cuda_graph.py`) captured once the cache exists.
 
 On CUDA everything runs with the model's device made current (`on_device`): graph
 capture, events and streams use the current device, and each thread has its own, so a
 step run by a server's engine thread on `cuda:1` would otherwise record on `cuda:0`.
 
-Each step, `run(batch)` lays the batch out (`batch.py`), plans attention once, runs the
-forward pass (replaying a graph for decode-only batches that fit a bucket), and samples
-the next token of every request whose last token was computed, or, for a request
-carrying draft tokens, verifies them (`verification.py`). Prompt rows a request asked
-to score are scored first (`logprobs.py`); a step that ends an embedding request's prompt
-runs eagerly and keeps that row's final hidden state (`pooling.py`).
-
-With a draft model (`speculative.py`), a second runner runs it on a pool that mirrors
-this one page for page: this runner's pool is sized for both models' bytes per page.
-
-With tensor parallelism (`parallel.py`, `distributed.py`) every rank has a runner over
-its slice of the model and a pool of its heads. Rank 0's `forward` sends the step's
-inputs to the others before all of them run `forward_shard`; the logits come back to
-rank 0 alone, which samples.
+Split across ranks (`parallel/`), every rank has a runner over its slice of the model and
+a cache of its heads, with the same pages. Rank 0's `run` lays the step out on the host,
+broadcasts it (the one place the runner talks to the other ranks), and all ranks run the
+forward pass; the logits come back to rank 0 alone, which chooses the tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
 
 import psutil
 import torch
 
 from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.attention.registry import attention_backend_class
-from nanoqwen.config import EngineConfig
-from nanoqwen.memory.kv_pool import KVPool
-from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.parallel.sharding import SINGLE, TensorParallel
-from nanoqwen.parallel.workers import Workers
+from nanoqwen.memory.kv_cache import KVCache
+from nanoqwen.memory.sizing import (
+    KVBudget,
+    Overhead,
+    WorstStep,
+    cpu_kv_memory,
+    gpu_kv_memory,
+    pages_for,
+)
+from nanoqwen.model.layers import split_across
+from nanoqwen.parallel.launch import ALONE, Ranks
+from nanoqwen.parallel.step_broadcast import WireStep
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner, decode_buckets
-from nanoqwen.runner.memory_profile import CudaMemory, kv_budget, profile_overhead
-from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
-from nanoqwen.sampling.logprobs import score_prompts
-from nanoqwen.sampling.pooling import record_embeddings
+from nanoqwen.runner.memory_profile import CudaMemory, profile_overhead
+from nanoqwen.runner.pipeline import StepPipeline, TokenChooser, sample_one_each
+from nanoqwen.runner.step_inputs import StepInputs
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
-from nanoqwen.speculative.verification import sample_with_drafts
 from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-# On the CPU the pool shares RAM with everything else, so it takes this share of what is
-# available, and never more than every sequence at full length could use.
-CPU_KV_CACHE_FRACTION = 0.2
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The engine settings a runner uses (`EngineConfig`'s fields of the same names)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int  # for the default decode buckets
+    kv_storage_dtype: torch.dtype  # the dtype pages are stored in
+    quantization: str | None = None
+    attention_backend: str | None = None
+    decode_buckets: list[int] | None = None
+    enforce_eager: bool = False
 
 
 def on_device(device: torch.device) -> AbstractContextManager[object]:
@@ -83,175 +93,181 @@ def exact_device(device: torch.device) -> torch.device:
 class ModelRunner:
     def __init__(
         self,
-        config: EngineConfig,
         checkpoint: Checkpoint,
-        max_model_len: int,
-        tp: TensorParallel = SINGLE,
-        workers: Workers | None = None,  # rank 0's handle on the other ranks
-        num_pages: int | None = None,  # given: a draft model's pool, mirroring the target's
-        draft_model_config: ModelConfig | None = None,  # a draft model sharing this pool's pages
+        settings: RunnerSettings,
+        ranks: Ranks = ALONE,
+        choose_tokens: TokenChooser = sample_one_each,
     ) -> None:
-        self.config, self.tp, self.workers = config, tp, workers
-        model_config = checkpoint.model_config
-        self.draft_model_config = draft_model_config
-        self.vocab_size = model_config.vocab_size
-        self.model_config = tp.shard_config(model_config)  # the heads this rank holds
-        self.device = exact_device(config.device)
-        self.max_model_len = max_model_len
+        self.settings, self.ranks, self.tp = settings, ranks, ranks.tp
+        self.choose_tokens = choose_tokens
+        self.device = exact_device(ranks.device or settings.device)
+        self.max_model_len = settings.max_model_len
+        self.vocab_size = checkpoint.model_config.vocab_size
+        with on_device(self.device), split_across(self.tp):
+            self.model = load_model(checkpoint, settings.dtype, self.device, settings.quantization)
+        self.shape = self.model.attention_shape  # this rank's heads
+        self.sampler = Sampler()
+        # Chosen before the cache: on CUDA, sizing the cache runs the model through it.
         with on_device(self.device):
-            self.model = load_model(
-                checkpoint, config.dtype, self.device,
-                quantization=config.quantization, tp=tp,
+            self.backend_class = attention_backend_class(
+                settings.attention_backend, self.shape, settings.page_size, settings.dtype,
+                settings.kv_storage_dtype, self.device,
             )
-            self.sampler = Sampler()
-            # Chosen before the pool: on CUDA, sizing the pool runs the model through it.
-            self.backend_class = attention_backend_class(config, model_config, self.device)
-            self.decode_buckets = decode_buckets(config, model_config, self.backend_class)
-            # Every rank's pool has the same pages: as many as the tightest rank can hold.
-            self.pool = self._make_pool(num_pages or tp.min_over_ranks(self.num_kv_pages()))
-            self.backend = self._make_backend(self.pool)
-            self.decode_graphs = (
-                DecodeGraphRunner(self.model, self.backend, self.decode_buckets, max_model_len)
-                if self.decode_buckets
-                else None
-            )
-            if self.decode_graphs is not None:
-                self.decode_graphs.capture_all()  # on every rank, the same buckets
+        self.decode_buckets = decode_buckets(
+            settings.decode_buckets, settings.enforce_eager, settings.max_num_seqs,
+            self.device, self.backend_class, checkpoint.model_config.rope_type,
+        )
+        self.kv_cache: KVCache | None = None
+        self.pipeline: StepPipeline | None = None
 
     # ----------------------------------------------------------------- the step
     def run(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
         """Run one step; return the new tokens of every request it reached the end of: one,
-        or with draft tokens, the accepted drafts and one more."""
-        with on_device(self.device):
-            inputs = self.prepare(batch)
-            logits = self.forward(inputs)
-            return list(zip(inputs.sampled_requests, self.sample(logits, inputs)))
+        or for a request with proposed tokens, the accepted ones and one more."""
+        inputs = self.prepare(batch)
+        return self.sample(self.forward(inputs), inputs)
+
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The logits of a batch's sampled rows, without choosing tokens (a proposer's)."""
+        return self.forward(self.prepare(batch))
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        bucket = self.decode_graphs.bucket_for(batch) if self.decode_graphs else None
-        # With other ranks, the inputs are laid out on the host, where they are sent from.
-        device = self.device if self.workers is None else torch.device("cpu")
-        return build_step_inputs(batch, self.pool.page_size, device, pad_to=bucket or 0)
+        with on_device(self.device):
+            return self.pipeline.prepare(batch)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits for the sampled rows, `[S, vocab]`."""
-        if self.workers is None:
-            return self.forward_shard(inputs)
-        with self.workers.step():
-            return self.forward_shard(self.workers.broadcast(inputs, self.device))
+        """Logits for the sampled rows; the other ranks, if any, run the same step."""
+        workers = self.ranks.workers
+        with on_device(self.device):
+            if workers is None:
+                return self.pipeline.forward(inputs)
+            with workers.step():
+                workers.broadcast(inputs.to_wire())
+                return self.pipeline.forward(inputs.to(self.device))
 
-    def forward_shard(self, inputs: StepInputs) -> torch.Tensor | None:
-        """This rank's part of the forward pass; the full logits on rank 0, None elsewhere."""
-        if inputs.pooled_rows:
-            logits = self._forward_pooling(inputs)
-        elif self.decode_graphs is not None and self.decode_graphs.handles(inputs.metadata):
-            logits = self.decode_graphs.forward(inputs)
-        else:
-            self.backend.plan(inputs.metadata)
-            logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
-        return self.tp.gather_logits(logits, self.vocab_size)
+    def sample(
+        self, logits: torch.Tensor, inputs: StepInputs
+    ) -> list[tuple[Request, list[int]]]:
+        with on_device(self.device):
+            return self.pipeline.sample(logits, inputs)
 
-    @torch.inference_mode()
-    def _forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
-        """An eager forward pass that also hands each embedding request its row's final
-        hidden state (graphs keep only logits)."""
-        self.backend.plan(inputs.metadata)
-        hidden = self.model.hidden_states(inputs.input_ids, inputs.metadata, self.backend)
-        rows = hidden[inputs.sample_rows]
-        record_embeddings(self.model.model.norm(rows), inputs.pooled_rows)
-        return self.model.compute_logits(rows)
+    def forward_from_wire(self, step: WireStep) -> None:
+        """Another rank's part of a step rank 0 broadcast."""
+        with on_device(self.device):
+            self.pipeline.forward(StepInputs.from_wire(step).to(self.device))
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
-        if inputs.prompt_rows:  # the rows after the sampled ones
-            num_sampled = sum(inputs.num_sampled_rows)
-            score_prompts(logits[num_sampled:], inputs.prompt_rows)
-            logits = logits[:num_sampled]
-        if not inputs.sampled_requests:
-            return []
-        return sample_with_drafts(self.sampler, logits, inputs.sampled_requests)
+    # ----------------------------------------------------------------- the KV cache
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of this model's K/V."""
+        shape = self.shape
+        return KVCache.bytes_per_page(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, self.settings.page_size,
+            self.settings.kv_storage_dtype, self.backend_class.per_vector_kv_scales,
+        )
 
-    # ----------------------------------------------------------------- KV sizing
-    def num_kv_pages(self) -> int:
-        """How many pages the KV pool gets, the scratch page included.
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache on every rank together."""
+        return self.kv_cache.nbytes * self.tp.size
 
-        Asked for in pages, or in bytes; otherwise a share of the memory. On a GPU that is
-        `gpu_memory_utilization` of the device (or the `kv_cache_memory` fraction of what
-        is free), less what the engine needs beside its weights and the pool, measured by
-        `memory_profile.py`; on a CPU, a stated share of the available RAM.
-        """
-        config = self.config
-        if config.num_pages is not None:
-            return config.num_pages
-        asked = config.kv_cache_memory
-        if asked is not None and asked > 1:
-            memory = asked
-        elif self.device.type == "cuda":
-            memory = self._cuda_kv_memory(fraction=asked)
-        else:
-            memory = self._cpu_kv_memory(fraction=asked)
-        return max(2, int(memory // self._page_bytes()) + 1)
-
-    def _page_bytes(self) -> int:
-        """Bytes of one page: this model's K/V, plus a draft model's for the same tokens."""
-        return sum(
-            KVPool.bytes_per_page(
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size,
-                self.config.kv_storage_dtype, self.backend_class.per_vector_kv_scales,
+    def measure_overhead(self, worst: WorstStep) -> Overhead:
+        """What this model needs on its GPU beside its weights and its KV cache (see
+        `memory_profile.py`); nothing is measured on a CPU."""
+        if self.device.type != "cuda":
+            return Overhead()
+        with on_device(self.device):
+            overhead = profile_overhead(
+                self._make_cache, self._make_pipeline, worst, self.settings.page_size,
+                CudaMemory(self.device), self.backend_class.__name__,
             )
-            for cfg in (self.model_config, self.draft_model_config)
-            if cfg is not None
-        )
+            torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
+        return overhead
 
-    def _draft_weight_bytes(self) -> int:
-        """What a draft model's weights will take, counted on the meta device (no memory)."""
-        if self.draft_model_config is None:
-            return 0
-        with torch.device("meta"):
-            draft = QwenForCausalLM(self.draft_model_config)
-        return sum(p.numel() for p in draft.parameters()) * self.config.dtype.itemsize
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        """Make the KV cache, and the pipeline and graphs that read it."""
+        with on_device(self.device):
+            self.kv_cache = self._make_cache(num_pages)
+            self.pipeline = self._make_pipeline(self.kv_cache)
+            self.pipeline.capture_graphs()  # on every rank, the same buckets
 
-    def _cpu_kv_memory(self, fraction: float | None) -> float:
-        # Tensor-parallel ranks on a CPU share its memory.
-        available = psutil.virtual_memory().available / self.tp.size
-        if fraction is not None:
-            return fraction * available
-        pages_per_sequence = -(-self.max_model_len // self.config.page_size)
-        every_sequence_full = self.config.max_num_seqs * pages_per_sequence * self._page_bytes()
-        return min(CPU_KV_CACHE_FRACTION * available, every_sequence_full)
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.pipeline.backend
 
-    def _cuda_kv_memory(self, fraction: float | None) -> float:
-        overhead = profile_overhead(
-            self.model, GatheredSampler(self.sampler, self.tp, self.vocab_size),
-            self.backend_class, self._make_pool, self.config, self.max_model_len,
-            self.decode_buckets, CudaMemory(self.device),
-        )
-        torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
-        free, total = torch.cuda.mem_get_info(self.device)
-        free -= self._draft_weight_bytes()  # loaded once this pool is sized
-        budget = kv_budget(free, total, overhead, fraction, self.config.gpu_memory_utilization)
-        logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", budget / 2**30, overhead)
-        return budget
+    @property
+    def decode_graphs(self) -> DecodeGraphRunner | None:
+        return self.pipeline.graphs
 
-    def _make_pool(self, num_pages: int) -> KVPool:
-        cfg = self.model_config
-        return KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.config.page_size, num_pages,
-            self.config.dtype, self.device, storage_dtype=self.config.kv_storage_dtype,
+    def min_over_ranks(self, value: int) -> int:
+        return self.tp.min_over_ranks(value)
+
+    @property
+    def num_ranks_on_host(self) -> int:
+        """How many ranks share this machine's memory (on a CPU, all of them)."""
+        return self.tp.size if self.device.type == "cpu" else 1
+
+    def _make_cache(self, num_pages: int) -> KVCache:
+        shape = self.shape
+        return KVCache(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, self.settings.page_size,
+            num_pages, self.settings.dtype, self.device,
+            storage_dtype=self.settings.kv_storage_dtype,
             per_vector_scales=self.backend_class.per_vector_kv_scales,
         )
 
-    def _make_backend(self, pool: KVPool) -> AttentionBackend:
-        cfg = self.model_config
-        return self.backend_class(pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    def _make_pipeline(self, kv_cache: KVCache) -> StepPipeline:
+        shape = self.shape
+        backend: AttentionBackend = self.backend_class(
+            kv_cache, shape.num_heads, shape.num_kv_heads, shape.head_dim
+        )
+        graphs = (
+            DecodeGraphRunner(self.model, backend, self.decode_buckets, self.max_model_len)
+            if self.decode_buckets
+            else None
+        )
+        # With other ranks, steps are laid out on the host, where they are sent from.
+        layout_device = self.device if self.ranks.workers is None else torch.device("cpu")
+        return StepPipeline(
+            self.model, backend, graphs, self.sampler, self.choose_tokens,
+            partial(self.tp.gather_logits, vocab_size=self.vocab_size), layout_device,
+        )
 
 
-class GatheredSampler:
-    """The sampler as a tensor-parallel step uses it: the vocabulary slices of the logits
-    joined on rank 0, which alone samples. What the memory profile must measure."""
+def plan_kv_pages(runners: Sequence[ModelRunner], budget: KVBudget, worst: WorstStep) -> int:
+    """How many pages every runner's KV cache gets (the scratch page included): all of
+    `runners` keep K/V for the same tokens, in caches with the same pages, and every rank
+    of a split model calls this in step, to agree on what the tightest one can hold."""
+    first = runners[0]
+    if budget.num_pages is not None:
+        return budget.num_pages
+    page_bytes = sum(runner.page_bytes for runner in runners)
+    if budget.bytes_asked is not None:
+        memory = budget.bytes_asked
+    elif first.device.type == "cuda":
+        overhead = sum((runner.measure_overhead(worst) for runner in runners), Overhead())
+        free, total = torch.cuda.mem_get_info(first.device)
+        memory = gpu_kv_memory(
+            free, total, overhead, budget.fraction_asked, budget.gpu_memory_utilization
+        )
+        logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / 2**30, overhead)
+    else:
+        available = psutil.virtual_memory().available / first.num_ranks_on_host
+        memory = cpu_kv_memory(
+            available, budget.fraction_asked, worst, first.settings.page_size, page_bytes
+        )
+    return first.min_over_ranks(pages_for(memory, page_bytes))
 
-    def __init__(self, sampler: Sampler, tp: TensorParallel, vocab_size: int) -> None:
-        self.sampler, self.tp, self.vocab_size = sampler, tp, vocab_size
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[list[int]]:
-        logits = self.tp.gather_logits(logits, self.vocab_size)
-        return [] if logits is None else sample_with_drafts(self.sampler, logits, requests)
+def start_runner(
+    checkpoint: Checkpoint,
+    settings: RunnerSettings,
+    budget: KVBudget,
+    worst: WorstStep,
+    ranks: Ranks,
+) -> ModelRunner:
+    """A runner with its KV cache, sized in step with the other ranks: how each worker of
+    a split model starts (rank 0 does the same, with its proposer's runners beside it)."""
+    runner = ModelRunner(checkpoint, settings, ranks)
+    runner.allocate_kv_cache(plan_kv_pages([runner], budget, worst))
+    return runner

@@ -3,17 +3,18 @@
 The scheduler decides a step in requests and token counts (`ScheduledBatch`: request `i`
 computes its next `num_new_tokens[i]` tokens). The model wants flat tensors instead: the
 new tokens of every request back to back in one `[T]` vector, each with its position, plus
-the page table of `attention.py` saying whose keys live where, the slot each new K/V goes
+the page table of `attention/base.py` saying whose keys live where, the slot each new K/V goes
 to, and the rows whose logits get sampled. A request samples the rows from its last
 accepted token on: one row when it is decoding or finishing its prompt, none for a
-prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` draft tokens to
-verify (`speculative.py`): the logits after each draft say whether it was right.
-Two kinds of request want more of the step than a next token, and say so here:
+prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` proposed tokens
+to verify: the logits after each say whether it was right. Two kinds of request want
+more of the step than a next token, and say so here:
 
-* one asking for prompt logprobs (`logprobs.py`) has logits computed for the rows of its
-  prompt chunk as well (`prompt_rows`): they follow the sampled rows in `sample_rows`;
-* an embedding request (`pooling.py`) has its one sampled row pooled (`pooled_rows`)
-  instead of sampled for text.
+* one asking for prompt logprobs (`sampling/logprobs.py`) has logits computed for the
+  rows of its prompt chunk as well (`prompt_rows`): they follow the sampled rows in
+  `sample_rows`;
+* an embedding request (`sampling/pooling.py`) has its one sampled row pooled
+  (`pooled_rows`) instead of sampled for text.
 
 `build_step_inputs` makes that `StepInputs`.
 
@@ -23,24 +24,36 @@ are kept on the host as well, for backends that plan on the host.
 
 A step can be padded with extra rows to a fixed batch size, which CUDA graphs need
 (`cuda_graph.py`). A padding row is a request like any other to the model: one token at
-position 0 on the pool's scratch page (`kv_pool.py`), and its logits are never sampled.
+position 0 on the pool's scratch page (`memory/page_allocator.py`), and its logits are never sampled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from nanoqwen.attention.base import AttentionMetadata
-from nanoqwen.memory.kv_pool import SCRATCH_PAGE
+from nanoqwen.memory.page_allocator import SCRATCH_PAGE
+from nanoqwen.parallel.step_broadcast import WireFormat, WireStep
 from nanoqwen.sampling.logprobs import PromptRows
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
 
 # What a padding row feeds the model. Any valid id does: its result is never read.
 PADDING_ROW_TOKEN_ID = 0
+# The page table's tensors, in `AttentionMetadata` (and the CUDA graphs' static buffers).
+PAGE_TABLE_TENSORS = (
+    "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping"
+)
+# What crosses to the other ranks of a split model each step: everything the model and
+# the attention backends read. The rest says which requests the sampled rows belong to.
+STEP_WIRE = WireFormat(
+    tensor_names=("input_ids", "sample_rows", *PAGE_TABLE_TENSORS),
+    int_names=("max_q_len", "max_kv_len", "bucket"),
+)
 
 
 @dataclass
@@ -54,8 +67,46 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampled_requests: list[Request]  # whose logits the first S rows are, in order
     num_sampled_rows: list[int]  # how many consecutive rows each of them has
-    prompt_rows: list[PromptRows]  # whose the last P rows are, in order
-    pooled_rows: list[tuple[int, Request]]  # (sampled row, embedding request): pooled
+    # Rank 0's alone, like the two above: whose the last P rows of `sample_rows` are, and
+    # (sampled row, embedding request) for each row to pool.
+    prompt_rows: list[PromptRows] = dataclasses.field(default_factory=list)
+    pooled_rows: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
+    # The decode batch size this step is padded to, replayed through the static buffers
+    # (a CUDA graph, where there are graphs); 0: the step runs eagerly. Decided once, when
+    # the step is laid out.
+    bucket: int = 0
+
+    def to_wire(self) -> WireStep:
+        """What the other ranks need of this step (its tensors on the host)."""
+        metadata = self.metadata
+        tensors = {name: getattr(metadata, name) for name in PAGE_TABLE_TENSORS}
+        tensors.update(input_ids=self.input_ids, sample_rows=self.sample_rows)
+        ints = {"max_q_len": metadata.max_q_len, "max_kv_len": metadata.max_kv_len,
+                "bucket": self.bucket}
+        return WireStep(tensors, ints)
+
+    @classmethod
+    def from_wire(cls, step: WireStep) -> StepInputs:
+        """A step received by another rank, on the host (no requests: rank 0 samples)."""
+        tensors, ints = step.tensors, step.ints
+        metadata = AttentionMetadata(
+            **{name: tensors[name] for name in PAGE_TABLE_TENSORS},
+            max_q_len=ints["max_q_len"], max_kv_len=ints["max_kv_len"],
+            qo_indptr_host=tensors["qo_indptr"], kv_indptr_host=tensors["kv_indptr"],
+            kv_last_page_len_host=tensors["kv_last_page_len"],
+        )
+        return cls(tensors["input_ids"], metadata, tensors["sample_rows"], [], [],
+                   bucket=ints["bucket"])
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The step's tensors on `device` (the host copies of the page table stay)."""
+        if device.type == "cpu":
+            return self
+        moved = {name: getattr(self.metadata, name).to(device) for name in PAGE_TABLE_TENSORS}
+        return dataclasses.replace(
+            self, input_ids=self.input_ids.to(device), sample_rows=self.sample_rows.to(device),
+            metadata=dataclasses.replace(self.metadata, **moved),
+        )
 
 
 class StepInputsBuilder:
@@ -109,8 +160,13 @@ class StepInputsBuilder:
         self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], num_sampled=0)
 
     def build(
-        self, device: torch.device, sampled_requests: list[Request], num_sampled_rows: list[int],
-        prompt_rows: Sequence[PromptRows] = (), pooled_rows: Sequence[tuple[int, Request]] = (),
+        self,
+        device: torch.device,
+        sampled_requests: list[Request],
+        num_sampled_rows: list[int],
+        prompt_rows: Sequence[PromptRows] = (),
+        pooled_rows: Sequence[tuple[int, Request]] = (),
+        bucket: int = 0,
     ) -> StepInputs:
         def on_host(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             # Pinned memory lets the copy to the GPU run without the host waiting for it.
@@ -143,13 +199,15 @@ class StepInputsBuilder:
             num_sampled_rows=num_sampled_rows,
             prompt_rows=list(prompt_rows),
             pooled_rows=list(pooled_rows),
+            bucket=bucket,
         )
 
 
 def build_step_inputs(
     batch: ScheduledBatch, page_size: int, device: torch.device, pad_to: int = 0
 ) -> StepInputs:
-    """Lay a batch out for the model, with padding rows up to `pad_to` requests."""
+    """Lay a batch out for the model, with padding rows up to `pad_to` requests (the
+    decode bucket it then runs in)."""
     builder = StepInputsBuilder(page_size)
     sampled: list[Request] = []
     num_sampled_rows: list[int] = []
@@ -160,7 +218,7 @@ def build_step_inputs(
         end = start + num_new
         num_sampled = batch.num_sampled_rows(index)
         pages = request.pages[: -(-end // page_size)]
-        builder.add_row(request.tokens_with_drafts(start, end), start, pages, num_sampled)
+        builder.add_row(request.tokens_with_proposed(start, end), start, pages, num_sampled)
         if num_sampled:
             if request.pooling is not None:
                 pooled_rows.append((len(builder.sample_rows) - 1, request))
@@ -173,7 +231,7 @@ def build_step_inputs(
                 prompt_rows.append(span)
     for _ in range(len(batch.requests), pad_to):
         builder.add_padding_row()
-    return builder.build(device, sampled, num_sampled_rows, prompt_rows, pooled_rows)
+    return builder.build(device, sampled, num_sampled_rows, prompt_rows, pooled_rows, pad_to)
 
 
 def unscored_prompt_rows(request: Request, start: int, end: int) -> PromptRows:

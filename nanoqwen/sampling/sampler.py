@@ -26,9 +26,10 @@ computed with the draw and copied to the host with the chosen ids in the step's 
 transfer; the sampler appends them to the request (``request.logprobs``), and advances a
 constrained request's grammar by its chosen token.
 
-Speculative decoding (``verification.py``) needs the distribution itself rather than one
-draw from it: ``distribution`` returns exactly what ``sample`` draws from, normalised, and
-``draw`` / ``uniform_noise`` draw from any distribution with the rows' own random streams.
+Verifying proposed tokens (``speculative/verification.py``) needs the distribution itself
+rather than one draw from it: ``distribution`` returns exactly what ``sample`` draws from,
+normalised, and ``draw`` / ``uniform_noise`` draw from any distribution with the rows'
+own random streams.
 
 Invariant: a row's result depends only on that row's logits, parameters, token history and
 generator, so a seeded request yields the same tokens whatever else shares the batch and

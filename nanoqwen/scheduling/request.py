@@ -15,9 +15,9 @@ other modules need to know about one request lives here:
   stream its text (`detokenizer`); the log-probabilities it asked for, as they are
   computed (`logprobs`, `prompt_logprobs`); for an embedding request, its `pooling`
   params and, once computed, its `embedding`;
-* during a step with speculative decoding, the guessed next tokens to verify
-  (`draft_token_ids`, see `speculative.py`). They are not part of `token_ids`: only the
-  tokens the target model accepts are appended there.
+* during a step, tokens a proposer guessed for it, for the model to verify in the same
+  pass (`proposed_token_ids`; none unless an engine proposes any). They are not part of
+  `token_ids`: only the tokens verification accepts are appended there.
 
 Invariant: `num_computed_tokens <= len(pages) * page_size`, and page `i` holds the K/V of
 tokens `[i * page_size, (i + 1) * page_size)`.
@@ -65,10 +65,8 @@ class Request:
     finish_reason: str | None = None
     priority: int = 0  # lower is more urgent
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
-    # This step's draft tokens, and the distributions a draft model sampled them from
-    # (`[len(draft_token_ids), vocab]`; None for greedy requests and n-gram guesses).
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
+    # Guessed next tokens this step verifies (see the module docstring).
+    proposed_token_ids: list[int] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # set iff params.structured_output is
     pooling: PoolingParams | None = None  # an embedding request: no text, an `embedding`
     embedding: torch.Tensor | None = None
@@ -89,16 +87,16 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def num_tokens_with_drafts(self) -> int:
-        return len(self.token_ids) + len(self.draft_token_ids)
+    def num_tokens_with_proposed(self) -> int:
+        return len(self.token_ids) + len(self.proposed_token_ids)
 
-    def tokens_with_drafts(self, start: int, end: int) -> list[int]:
-        """Tokens `[start, end)` of the sequence the drafts extend."""
+    def tokens_with_proposed(self, start: int, end: int) -> list[int]:
+        """Tokens `[start, end)` of the sequence the proposed tokens extend."""
         num_accepted = len(self.token_ids)
         if end <= num_accepted:
             return self.token_ids[start:end]
-        drafts = self.draft_token_ids[max(start - num_accepted, 0) : end - num_accepted]
-        return self.token_ids[start:end] + drafts
+        proposed = self.proposed_token_ids[max(start - num_accepted, 0) : end - num_accepted]
+        return self.token_ids[start:end] + proposed
 
     @property
     def num_reusable_tokens(self) -> int:

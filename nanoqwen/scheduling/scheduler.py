@@ -38,12 +38,13 @@ Policy, every step:
    one of equal or better aged priority. Under fcfs every aged priority is equal, so this
    never happens. Because keys age, a request that has waited long enough outranks every
    later arrival, so it is neither passed over nor preempted by them: nothing starves.
-5. **Draft tokens** (speculative decoding, `speculative.py`) are guesses: they join a
-   request's row after the schedule is made, get pages only when some are free or
-   evictable (never by preempting anyone), and spend no prefill budget. After the step,
-   `settle_drafts` keeps the K/V of the drafts the target accepted and rolls back the
-   rest: the request's computed length shrinks to its accepted tokens and the pages past
-   it are freed. The prefix cache only ever receives pages of accepted tokens.
+5. **Proposed tokens** (guesses an engine may ask the model to verify, `request.py`) join
+   a request's row after the schedule is made, get pages only when some are free or
+   evictable (never by preempting anyone: `make_room_for_proposed`), and spend no
+   prefill budget. After the step, `settle_proposed` keeps the K/V of the tokens
+   verification accepted and rolls back the rest: the request's computed length shrinks
+   to its accepted tokens and the pages past it are freed. The prefix cache only ever
+   receives pages of accepted tokens.
 
 Preemptions are counted by cause: "kv_pages" (pages ran out) and "max_num_seqs" (a seat
 was given to a more urgent request). The request-side invariant (which pages hold which
@@ -58,8 +59,7 @@ import itertools
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from nanoqwen.config import EngineConfig
-from nanoqwen.memory.kv_pool import KVPool
+from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
@@ -80,14 +80,22 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig) -> None:
-        self.pool = pool
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        cache: RadixCache | None,
+        max_num_seqs: int,
+        chunk_size: int,
+        policy: str = "fcfs",
+        aging_steps: int = 0,
+    ) -> None:
+        self.allocator = allocator
         self.cache = cache
-        self.page_size = pool.page_size
-        self.max_num_seqs = config.max_num_seqs
-        self.chunk_size = config.chunk_size
-        self.policy = config.scheduling_policy
-        self.aging_steps = config.priority_aging_steps
+        self.page_size = allocator.page_size
+        self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size
+        self.policy = policy
+        self.aging_steps = aging_steps
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # most urgent first
         self.num_steps = 0  # schedule() calls so far: the clock that priorities age by
@@ -112,7 +120,7 @@ class Scheduler:
 
     def _release_pages(self, request: Request) -> None:
         self._offer_to_cache(request)
-        self.pool.release(request.pages)
+        self.allocator.release(request.pages)
         request.pages = []
         request.num_computed_tokens = 0
         request.num_pages_in_cache = 0
@@ -171,14 +179,14 @@ class Scheduler:
             return True
         if not self._make_free(needed):
             return False
-        request.pages.extend(self.pool.allocate(needed))
+        request.pages.extend(self.allocator.allocate(needed))
         return True
 
     def _make_free(self, num_pages: int) -> bool:
-        shortfall = num_pages - self.pool.num_free_pages
+        shortfall = num_pages - self.allocator.num_free_pages
         if shortfall > 0 and self.cache is not None:
             self.cache.evict(shortfall)
-        return self.pool.num_free_pages >= num_pages
+        return self.allocator.num_free_pages >= num_pages
 
     def _preempt(self, request: Request, cause: str, batch: ScheduledBatch) -> None:
         """Send a running request back to wait, dropping it from this step's batch."""
@@ -217,7 +225,7 @@ class Scheduler:
         pages = self.cache.match(reusable) if self.cache else []
         num_cached = len(pages) * self.page_size
         if self._next_page_in_flight(request, num_cached):
-            self.pool.release(pages)
+            self.allocator.release(pages)
             deferred.append(request)
             return True
         if len(self.running) >= self.max_num_seqs:  # `_admit_waiting` checked it outranks
@@ -227,7 +235,7 @@ class Scheduler:
         request.num_pages_in_cache = len(pages)
         while not self._grow(request, num_cached + num_new):
             if not self._outranks_running(request):
-                self.pool.release(request.pages)
+                self.allocator.release(request.pages)
                 request.pages, request.num_computed_tokens, request.num_pages_in_cache = [], 0, 0
                 self.waiting.push(request)
                 return False
@@ -254,30 +262,30 @@ class Scheduler:
             for other in self.running
         )
 
-    def make_room_for_drafts(self, request: Request, num_tokens: int, num_drafts: int) -> int:
-        """Pages for up to `num_drafts` draft tokens after the request's first `num_tokens`;
+    def make_room_for_proposed(self, request: Request, num_tokens: int, count: int) -> int:
+        """Pages for up to `count` proposed tokens after the request's first `num_tokens`;
         returns how many fit. Cached pages may be evicted for them, no request preempted."""
-        if self._grow(request, num_tokens + num_drafts):
-            return num_drafts
-        return max(0, min(num_drafts, len(request.pages) * self.page_size - num_tokens))
+        if self._grow(request, num_tokens + count):
+            return count
+        return max(0, min(count, len(request.pages) * self.page_size - num_tokens))
 
     # ----------------------------------------------------------------- after the forward
     def advance(self, batch: ScheduledBatch) -> None:
         """Record that the batch's tokens now have K/V; offer new full pages to the cache.
 
-        Draft tokens don't count yet: only `settle_drafts` knows which were accepted.
+        Proposed tokens don't count yet: only `settle_proposed` knows which were accepted.
         """
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += num_new - len(request.draft_token_ids)
+            request.num_computed_tokens += num_new - len(request.proposed_token_ids)
             self._offer_to_cache(request)
 
-    def settle_drafts(self, request: Request) -> None:
+    def settle_proposed(self, request: Request) -> None:
         """After a verification step has appended its tokens to a running `request`: the
-        K/V of every token but the last (the accepted drafts) stays, the rejected drafts'
+        K/V of every token but the last (the accepted proposals) stays, the rejected ones'
         slots are rolled back and the pages past them freed."""
-        request.draft_token_ids, request.draft_probs = [], None
+        request.proposed_token_ids = []
         request.num_computed_tokens = request.num_tokens - 1
         num_pages = -(-request.num_computed_tokens // self.page_size)
-        self.pool.release(request.pages[num_pages:])
+        self.allocator.release(request.pages[num_pages:])
         del request.pages[num_pages:]
         self._offer_to_cache(request)

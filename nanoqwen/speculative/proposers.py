@@ -20,16 +20,20 @@ Two proposers:
 * `DraftModelProposer`: a smaller model with the same tokenizer, run by its own
   `ModelRunner`, proposes `k` tokens one at a time.
 
-A step's drafts live on their requests (`Request.draft_token_ids`), from `propose(batch)`,
-right after the schedule is made, to `settle(...)`, right after the engine has appended
-the accepted tokens through its stop checks:
+**The hook.** The engine knows speculation only through its proposer: it asks it for
+draft tokens after each schedule (`propose`), has the runner verify them with the
+proposer's `choose_tokens` (`verification.py`), and hands the result back (`settle`).
+Everything else sees generic "proposed tokens". A step's drafts live on their requests
+(`Request.proposed_token_ids`), from `propose(batch, scheduler)`, right after the
+schedule is made, to `settle(...)`, right after the engine has appended the accepted
+tokens through its stop checks:
 
 1. `propose` gives every row that reaches its request's last token up to `k` drafts (no
    more than `max_tokens` and `max_model_len` leave room for, and only as many as pages
-   can be had for without preempting anyone: `Scheduler.make_room_for_drafts`).
+   can be had for without preempting anyone: `Scheduler.make_room_for_proposed`).
 2. The runner computes the rows and verifies the drafts.
 3. `settle` counts what was accepted and, for requests still running, rolls the rejected
-   drafts back (`Scheduler.settle_drafts`): their K/V slots are forgotten, the pages past
+   drafts back (`Scheduler.settle_proposed`): their K/V slots are forgotten, the pages past
    the request's new length are freed, and the prefix cache never sees them.
 
 **The draft model's KV cache** is a second pool with the same page size and page count
@@ -62,12 +66,12 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.config import EngineConfig
-from nanoqwen.runner.runner import ModelRunner
-from nanoqwen.sampling.sampler import draw
+from nanoqwen.runner.runner import ModelRunner, RunnerSettings
+from nanoqwen.sampling.sampler import Sampler, draw
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
-from nanoqwen.speculative.verification import DraftRow
+from nanoqwen.speculative.verification import DraftRow, sample_with_drafts
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
 
@@ -99,16 +103,28 @@ class Proposer:
     """Attaches draft tokens to a step's rows and settles them after verification. This
     base class proposes nothing: it is the engine's proposer when speculation is off."""
 
-    def __init__(
-        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int
-    ) -> None:
-        self.scheduler = scheduler
+    # The runners of models that keep K/V for the same tokens as the target's, in caches
+    # with the same pages (sized and allocated with the target's).
+    runners: Sequence[ModelRunner] = ()
+
+    def __init__(self, num_speculative_tokens: int = 0, max_model_len: int = 0) -> None:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
 
-    def propose(self, batch: ScheduledBatch) -> None:
+    @property
+    def max_proposed(self) -> int:
+        """The most draft tokens one request carries into a step."""
+        return self.num_speculative_tokens
+
+    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
         """Give rows of `batch` that reach their request's last token some draft tokens."""
+
+    def choose_tokens(
+        self, sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> list[list[int]]:
+        """Each request's new tokens: its accepted drafts, then one of the target's own."""
+        return sample_with_drafts(sampler, logits, requests)
 
     def wanted(self, batch: ScheduledBatch, index: int) -> int:
         """How many drafts row `index` may carry: none unless it reaches the request's last
@@ -124,28 +140,34 @@ class Proposer:
         )
         return max(0, min(self.num_speculative_tokens, left - 1))  # the target adds one
 
-    def reserve(self, batch: ScheduledBatch, index: int, num_drafts: int) -> int:
+    @staticmethod
+    def reserve(batch: ScheduledBatch, index: int, num_drafts: int, scheduler: Scheduler) -> int:
         """Pages for row `index` to carry `num_drafts` drafts; how many it may carry."""
         end = batch.start(index) + batch.num_new_tokens[index]
-        return self.scheduler.make_room_for_drafts(batch.requests[index], end, num_drafts)
+        return scheduler.make_room_for_proposed(batch.requests[index], end, num_drafts)
 
-    def settle(self, sampled: Sequence[tuple[Request, list[int]]]) -> None:
+    def settle(self, sampled: Sequence[tuple[Request, list[int]]], scheduler: Scheduler) -> None:
         """After the new tokens are appended: count, and roll back rejected drafts."""
         for request, new_tokens in sampled:
-            if not request.draft_token_ids:
+            if not request.proposed_token_ids:
                 continue
-            self.stats.proposed += len(request.draft_token_ids)
+            self.stats.proposed += len(request.proposed_token_ids)
             self.stats.accepted += len(new_tokens) - 1
             self.stats.verifications += 1
             if request.status is Status.RUNNING:
-                self.scheduler.settle_drafts(request)
+                scheduler.settle_proposed(request)
             else:  # finished by one of its new tokens: its pages are released already
-                request.draft_token_ids, request.draft_probs = [], None
+                request.proposed_token_ids = []
+            self.forget(request)
 
     def discard(self, batch: ScheduledBatch) -> None:
         """Forget the drafts of a step that failed before its tokens were appended."""
         for request in batch.requests:
-            request.draft_token_ids, request.draft_probs = [], None
+            request.proposed_token_ids = []
+            self.forget(request)
+
+    def forget(self, request: Request) -> None:
+        """Drop what this proposer kept of `request`'s drafts (nothing, here)."""
 
 
 def _speculates(request: Request) -> bool:
@@ -157,15 +179,14 @@ class NgramProposer(Proposer):
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n-gram."""
 
     def __init__(
-        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int,
-        ngram_min: int, ngram_max: int,
+        self, num_speculative_tokens: int, max_model_len: int, ngram_min: int, ngram_max: int,
     ) -> None:
-        super().__init__(scheduler, num_speculative_tokens, max_model_len)
+        super().__init__(num_speculative_tokens, max_model_len)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         # One index per request, dropped with the request itself.
         self.indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
-    def propose(self, batch: ScheduledBatch) -> None:
+    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
         for index, request in enumerate(batch.requests):
             wanted = self.wanted(batch, index)
             if not wanted:
@@ -173,8 +194,8 @@ class NgramProposer(Proposer):
             lookup = self.indexes.setdefault(request, NgramIndex(self.ngram_min, self.ngram_max))
             drafts = lookup.propose(request.token_ids, wanted)
             if drafts:  # pages only for what was found
-                drafts = drafts[: self.reserve(batch, index, len(drafts))]
-                request.draft_token_ids = drafts
+                drafts = drafts[: self.reserve(batch, index, len(drafts), scheduler)]
+                request.proposed_token_ids = drafts
                 batch.num_new_tokens[index] += len(drafts)
 
 
@@ -217,19 +238,31 @@ class DraftModelProposer(Proposer):
     """A smaller model of the same tokenizer proposes each request's next tokens."""
 
     def __init__(
-        self, scheduler: Scheduler, num_speculative_tokens: int, max_model_len: int,
-        runner: ModelRunner, vocab_size: int,
+        self, num_speculative_tokens: int, max_model_len: int, runner: ModelRunner,
+        vocab_size: int,
     ) -> None:
-        super().__init__(scheduler, num_speculative_tokens, max_model_len)
-        self.runner = runner  # the draft model's, on a pool mirroring the target's pages
+        super().__init__(num_speculative_tokens, max_model_len)
+        self.runner = runner  # the draft model's, on a cache mirroring the target's pages
+        self.runners = [runner]
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
+        # The distributions sampled requests' drafts came from, `[num_drafts, vocab]`:
+        # verification's `q` (greedy requests and n-gram guesses need none).
+        self.draft_probs: dict[Request, torch.Tensor] = {}
 
-    def propose(self, batch: ScheduledBatch) -> None:
+    def choose_tokens(
+        self, sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> list[list[int]]:
+        return sample_with_drafts(sampler, logits, requests, self.draft_probs.get)
+
+    def forget(self, request: Request) -> None:
+        self.draft_probs.pop(request, None)
+
+    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
         num_drafts = {}
         for index in range(len(batch)):
             wanted = self.wanted(batch, index)
             if wanted:
-                num_drafts[index] = self.reserve(batch, index, wanted)
+                num_drafts[index] = self.reserve(batch, index, wanted, scheduler)
         sampled = [index for index in range(len(batch)) if batch.reaches_last_token(index)]
         # The target's rows first, so the draft's K/V keeps up with the target's.
         logits = self._logits(batch)
@@ -246,11 +279,11 @@ class DraftModelProposer(Proposer):
             growing = [row for row, r in enumerate(feeding) if targets[r] > position + 1]
             self._extend([feeding[row] for row in growing], logits[growing])
         for index in drafting:
-            batch.num_new_tokens[index] += len(batch.requests[index].draft_token_ids)
+            batch.num_new_tokens[index] += len(batch.requests[index].proposed_token_ids)
 
     def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """The draft model's logits for the sampled rows of `batch`, in the target's vocabulary."""
-        logits = self.runner.forward(self.runner.prepare(batch))
+        logits = self.runner.logits(batch)
         vocab = logits.shape[-1]
         if vocab >= self.vocab_size:  # checkpoints pad their vocabularies differently
             return logits[:, : self.vocab_size]
@@ -261,14 +294,15 @@ class DraftModelProposer(Proposer):
         keep the distribution it came from where verification needs it (sampled requests)."""
         if not requests:
             return
-        rows = [DraftRow(request, len(request.draft_token_ids)) for request in requests]
+        rows = [DraftRow(request, len(request.proposed_token_ids)) for request in requests]
         q = self.runner.sampler.distribution(logits, rows)
         tokens = draw(q.clone(), rows).tolist()
         for request, token_id, probs in zip(requests, tokens, q):
-            request.draft_token_ids.append(token_id)
+            request.proposed_token_ids.append(token_id)
             if not request.params.is_greedy:
-                rows = [] if request.draft_probs is None else [request.draft_probs]
-                request.draft_probs = torch.cat([*rows, probs[None]])
+                earlier = self.draft_probs.get(request)
+                self.draft_probs[request] = torch.cat([*([] if earlier is None else [earlier]),
+                                                       probs[None]])
 
 
 def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoint | None:
@@ -284,22 +318,15 @@ def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoin
 
 
 def make_proposer(
-    config: EngineConfig,
-    scheduler: Scheduler,
-    runner: ModelRunner,
-    draft: Checkpoint | None,
+    config: EngineConfig, tokenizer: Tokenizer, settings: RunnerSettings, vocab_size: int
 ) -> Proposer:
     """The proposer `config` asks for (one that proposes nothing without speculation). A
-    draft model gets its own runner, on a pool with the target runner's page count."""
-    k, max_model_len = config.num_speculative_tokens, runner.max_model_len
+    draft model is loaded here, with a runner of its own whose KV cache the engine sizes
+    and allocates with the target's."""
+    k, max_model_len = config.num_speculative_tokens, settings.max_model_len
     if config.speculative == "ngram":
-        return NgramProposer(scheduler, k, max_model_len, config.ngram_min, config.ngram_max)
+        return NgramProposer(k, max_model_len, config.ngram_min, config.ngram_max)
+    draft = resolve_draft_model(config, tokenizer)
     if draft is None:
-        return Proposer(scheduler, k, max_model_len)
-    draft_runner = ModelRunner(
-        config, draft, max_model_len,
-        num_pages=runner.pool.num_pages,
-    )
-    return DraftModelProposer(
-        scheduler, k, max_model_len, draft_runner, runner.vocab_size
-    )
+        return Proposer()
+    return DraftModelProposer(k, max_model_len, ModelRunner(draft, settings), vocab_size)

@@ -1,6 +1,6 @@
 """Verification: keep the draft tokens the target model agrees with, and stay exact.
 
-Speculative decoding (`speculative.py`) guesses a request's next `k` tokens cheaply and
+Speculative decoding (`proposers.py`) guesses a request's next `k` tokens cheaply and
 lets the target model check them all in one forward pass: the request's row in the step
 is its last accepted token followed by the `k` drafts, and the lm_head runs on all
 `k + 1` positions. Row `i`'s logits are the target's prediction for the token after
@@ -29,7 +29,7 @@ seeded, in a fixed order, so a seeded request's output does not depend on its ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,34 +57,46 @@ class DraftRow:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + self.request.draft_token_ids[: self.num_drafts]
+        return self.request.output_token_ids + self.request.proposed_token_ids[: self.num_drafts]
 
     @property
     def generator(self) -> torch.Generator | None:
         return self.request.generator
 
 
+# The distributions a draft model sampled a request's drafts from, `[num_drafts, vocab]`;
+# None for greedy requests and guesses copied from the text.
+DraftProbs = Callable[[Request], "torch.Tensor | None"]
+
+
+def no_draft_probs(request: Request) -> None:
+    return None
+
+
 def sample_with_drafts(
-    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    draft_probs: DraftProbs = no_draft_probs,
 ) -> list[list[int]]:
-    """Each request's new tokens, from its `1 + len(draft_token_ids)` consecutive rows of
-    `logits`: the accepted drafts, then one token of the target's own. A request without
+    """Each request's new tokens, from its `1 + len(proposed_token_ids)` consecutive rows
+    of `logits`: the accepted drafts, then one token of the target's own. A request without
     drafts is sampled as it would be without speculation, in the same sampler call as the
     greedy requests' draft rows (one device-to-host copy for both)."""
-    if not any(request.draft_token_ids for request in requests):
+    if not any(request.proposed_token_ids for request in requests):
         return [[token_id] for token_id in sampler.sample(logits, requests)]
     blocks, num_rows = [], 0  # each request's rows
     for request in requests:
-        blocks.append(range(num_rows, num_rows + 1 + len(request.draft_token_ids)))
+        blocks.append(range(num_rows, num_rows + 1 + len(request.proposed_token_ids)))
         num_rows = blocks[-1].stop
     if logits.shape[0] != num_rows:
         raise ValueError(f"expected {num_rows} rows of logits, got {logits.shape[0]}")
     new_tokens: list[list[int]] = [[] for _ in requests]
-    plain = [i for i, request in enumerate(requests) if not request.draft_token_ids]
+    plain = [i for i, request in enumerate(requests) if not request.proposed_token_ids]
     greedy = [i for i, request in enumerate(requests)
-              if request.draft_token_ids and request.params.is_greedy]
+              if request.proposed_token_ids and request.params.is_greedy]
     sampled = [i for i, request in enumerate(requests)
-               if request.draft_token_ids and not request.params.is_greedy]
+               if request.proposed_token_ids and not request.params.is_greedy]
     if plain or greedy:
         greedy_requests = [requests[i] for i in greedy]
         rows = [blocks[i].start for i in plain] + [row for i in greedy for row in blocks[i]]
@@ -97,7 +109,7 @@ def sample_with_drafts(
             new_tokens[i] = tokens
     if sampled:
         block = _rows(logits, [row for i in sampled for row in blocks[i]])
-        verified = _verify_sampled(sampler, block, [requests[i] for i in sampled])
+        verified = _verify_sampled(sampler, block, [requests[i] for i in sampled], draft_probs)
         for i, tokens in zip(sampled, verified):
             new_tokens[i] = tokens
     return new_tokens
@@ -114,7 +126,7 @@ def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
     return [
         DraftRow(request, i)
         for request in requests
-        for i in range(1 + len(request.draft_token_ids))
+        for i in range(1 + len(request.proposed_token_ids))
     ]
 
 
@@ -125,7 +137,7 @@ def _accept_greedy(requests: Sequence[Request], targets: list[int]) -> list[list
 
 
 def _verify_sampled(
-    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request], draft_probs: DraftProbs
 ) -> list[list[int]]:
     rows = draft_rows(requests)
     p = sampler.distribution(logits, rows)
@@ -136,11 +148,12 @@ def _verify_sampled(
     index, ids = index.to(p.device), ids.to(p.device)
     row = 0
     for request in requests:
-        num_drafts = len(request.draft_token_ids)
-        if request.draft_probs is None:  # a guess copied from the text: all mass on it
+        num_drafts = len(request.proposed_token_ids)
+        probs = draft_probs(request)
+        if probs is None:  # a guess copied from the text: all mass on it
             q[index[row : row + num_drafts], ids[row : row + num_drafts]] = 1.0
         else:
-            q[index[row : row + num_drafts]] = request.draft_probs.to(q.dtype)
+            q[index[row : row + num_drafts]] = probs.to(q.dtype)
         row += num_drafts
     residual = (p - q).clamp_(min=0.0)
     # p == q leaves no residual, and then rejection never happens; keep the row drawable.
@@ -158,7 +171,7 @@ def _verify_sampled(
 
 def _drafts_by_row(requests: Sequence[Request]) -> list[int | None]:
     """Row by row, the draft that row's logits check (None on each block's last row)."""
-    return [token for r in requests for token in (*r.draft_token_ids, None)]
+    return [token for r in requests for token in (*r.proposed_token_ids, None)]
 
 
 def _new_tokens(
@@ -168,7 +181,7 @@ def _new_tokens(
     that row (`tokens`: the target's choice at every row)."""
     new_tokens, row = [], 0
     for request in requests:
-        drafts = request.draft_token_ids
+        drafts = request.proposed_token_ids
         num_accepted = 0
         while num_accepted < len(drafts) and accepted[row + num_accepted]:
             num_accepted += 1

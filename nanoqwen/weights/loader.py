@@ -15,32 +15,34 @@ dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers
 unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
 weights as int8 or int4 again, with the kernels torchao has for them.
 
-With tensor parallelism each rank reads only its slice of each tensor
-(`iter_checkpoint_shard`): safetensors maps the file and copies just the rows or columns
-asked for, so no rank ever holds a full weight it does not keep. That needs plain
-safetensors tensors, kept in the model's dtype: GGUF blocks and GPTQ/AWQ packing do not
-slice that way, and quantizing each rank's slices is not supported yet.
+Plain safetensors tensors are handed over unread (`get_slice`): each parameter's loader
+(`model/layers.py`) indexes the part it keeps, and safetensors copies just those rows or
+columns out of the mapped file, so a model split across ranks never holds a full weight
+it does not keep.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.qwen import QwenForCausalLM, RotaryEmbedding
-from nanoqwen.parallel.sharding import SINGLE, TensorParallel
+from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
+from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.model.rotary import RotaryEmbedding
 from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.formats import PackedWeights, WeightQuantization
 from nanoqwen.weights.gguf import iter_gguf_tensors
 from nanoqwen.weights.gptq_awq import unpack_checkpoint
 from nanoqwen.weights.quantization import quantize_linears
 
+Loader = Callable[[torch.Tensor, TensorSlice, int], torch.Tensor]
 # transformers name → (our fused parameter, index of its block).
 FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -56,10 +58,9 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
-    tp: TensorParallel = SINGLE,
 ) -> QwenForCausalLM:
-    """Build the decoder (`tp`'s rank's part of it) on `device` in `dtype` and fill it from
-    `checkpoint`.
+    """Build the decoder on `device` in `dtype` and fill it from `checkpoint`. Built inside
+    `model.layers.split_across(...)`, it is one rank's slice, and reads only that slice.
 
     `quantization` ("none", "int8", "int4", or None to follow the checkpoint) says how the
     linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
@@ -68,32 +69,51 @@ def load_model(
     path, config = checkpoint.path, checkpoint.model_config
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
-        model = QwenForCausalLM(config, tp)
+        model = QwenForCausalLM(config)
     model.to_empty(device=device)
     model.tie_weights()  # allocation gave the tied pair two separate tensors
     model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
-    params = dict(model.named_parameters())
+    params = parameter_loaders(model)
     filled: dict[str, set[int]] = {name: set() for name in params}
-    shard = tp.shard_config(config)  # the shapes this rank's parameters have
-    if tp.size > 1:
-        tensors = iter_checkpoint_shard(path, config, tp)
-    elif checkpoint.is_gguf:
-        tensors = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
+    if checkpoint.is_gguf:
+        sources = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
     else:
-        tensors = iter_checkpoint(path, checkpoint.packed)
-    for name, tensor in tensors:
+        sources = iter_checkpoint(path, checkpoint.packed)
+    for name, source in sources:
         target, block = map_name(name, config)
-        if target is None or (target not in params and is_unused_zero_bias(name, tensor, checkpoint)):
+        if target is None or (target not in params and is_unused_zero_bias(name, source, checkpoint)):
             continue
         if target not in params:
             raise ValueError(f"unexpected weight {name!r} in checkpoint {path}")
-        copy_block(params[target], tensor, block, shard, name)
+        param, load, _ = params[target]
+        try:
+            load(param, source, block)
+        except ShapeMismatch as error:
+            raise ValueError(f"shape mismatch for weight {name!r}: {error}") from None
         filled[target].add(block)
-    check_all_filled(filled, shard, path)
+    for name, (_, _, num_blocks) in params.items():
+        if len(filled[name]) < num_blocks:
+            raise ValueError(f"missing weight {name!r} in checkpoint {path}")
     scheme = runtime_quantization(quantization, checkpoint)
     if scheme is not None:
         quantize_linears(model, scheme)
     return model.eval()
+
+
+def parameter_loaders(model: nn.Module) -> dict[str, tuple[torch.Tensor, Loader, int]]:
+    """Every parameter by name, with the function that loads it from a checkpoint tensor
+    (its module's `load_block`, or whole) and how many checkpoint weights are fused in it."""
+    loaders, seen = {}, set()
+    for module_name, module in model.named_modules():
+        load = getattr(module, "load_block", load_whole)
+        num_blocks = getattr(module, "num_blocks", 1)
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied lm_head: the embedding's own weight
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            loaders[name] = (param, load, num_blocks)
+    return loaders
 
 
 def runtime_quantization(
@@ -128,8 +148,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def iter_checkpoint(
     model_dir: str, packed: PackedWeights | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every safetensors shard, one tensor at a time; a GPTQ/AWQ
-    layer's packed parts as one unpacked `weight`."""
+    """Yield (name, tensor) from every safetensors shard, one tensor at a time, each read
+    only as far as its parameter indexes it; a GPTQ/AWQ layer's packed parts as one
+    unpacked `weight`."""
     with ExitStack() as stack:
         # A layer's packed parts may sit in different shards: keep them all open.
         shard_of = {}
@@ -137,40 +158,10 @@ def iter_checkpoint(
             shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
             shard_of.update(dict.fromkeys(shard.keys(), shard))
 
-        def read(name: str) -> torch.Tensor:
-            return shard_of[name].get_tensor(name)
-
-        if packed is None:
-            yield from ((name, read(name)) for name in shard_of)
+        if packed is None:  # lazily: a split parameter reads only its slice
+            yield from ((name, shard.get_slice(name)) for name, shard in shard_of.items())
         else:
-            yield from unpack_checkpoint(shard_of, read, packed)
-
-
-def iter_checkpoint_shard(
-    model_dir: str, config: ModelConfig, tp: TensorParallel
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, this rank's part of the tensor), reading only that part of the file."""
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as shard:
-            for name in shard.keys():
-                yield name, tp.read_shard(shard.get_slice(name), name, config)
-
-
-def check_splittable(checkpoint: Checkpoint, quantization: str | None) -> None:
-    """A ValueError unless the weights can be split across ranks: each rank reads its
-    slices of plain safetensors tensors and keeps them in the model's dtype."""
-    kind, path = checkpoint.format_name, checkpoint.path
-    if kind is not None:
-        raise ValueError(
-            "tensor parallelism reads each rank's slices of plain safetensors weights, "
-            f"which a {kind} checkpoint does not have ({path}): use tensor_parallel_size=1 "
-            "or a checkpoint of float weights"
-        )
-    if quantization not in (None, "none"):
-        raise ValueError(
-            f"quantization={quantization!r} does not work with tensor parallelism yet: "
-            "use quantization='none' or tensor_parallel_size=1"
-        )
+            yield from unpack_checkpoint(shard_of, lambda name: shard_of[name].get_tensor(name), packed)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -195,38 +186,13 @@ def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:
     return name, 0
 
 
-def block_rows(param_name: str, config: ModelConfig) -> list[int]:
-    """How many rows each block of a (possibly fused) parameter has."""
-    if ".qkv_proj." in param_name:
-        kv = config.num_kv_heads * config.head_dim
-        return [config.num_heads * config.head_dim, kv, kv]
-    if ".gate_up_proj." in param_name:
-        return [config.intermediate_size] * 2
-    return []
-
-
-def copy_block(
-    param: torch.Tensor, tensor: torch.Tensor, block: int, config: ModelConfig, name: str
-) -> None:
-    target = param.data
-    rows = block_rows(fused_name(name), config)
-    if rows:
-        target = target.narrow(0, sum(rows[:block]), rows[block])
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(
-            f"shape mismatch for weight {name!r}: checkpoint has {tuple(tensor.shape)}, "
-            f"model expects {tuple(target.shape)}"
-        )
-    target.copy_(tensor)
-
-
 def fused_name(name: str) -> str:
     for part, (fused, _) in FUSED.items():
         name = name.replace(f".{part}.", f".{fused}.")
     return name
 
 
-def checkpoint_names(params: dict[str, torch.Tensor]) -> list[str]:
+def checkpoint_names(params: dict[str, object]) -> list[str]:
     """transformers' names of the weights that fill `params`: fused ones split up again."""
     names = []
     for name in params:
@@ -235,10 +201,3 @@ def checkpoint_names(params: dict[str, torch.Tensor]) -> list[str]:
         if not parts:
             names.append(name)
     return names
-
-
-def check_all_filled(filled: dict[str, set[int]], config: ModelConfig, model_dir: str) -> None:
-    for name, blocks in filled.items():
-        expected = len(block_rows(name, config)) or 1
-        if len(blocks) < expected:
-            raise ValueError(f"missing weight {name!r} in checkpoint {model_dir}")

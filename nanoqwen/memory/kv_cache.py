@@ -1,25 +1,15 @@
-"""The paged KV pool: all attention keys and values live in one preallocated tensor.
-
-A transformers model grows a fresh KV tensor per request and per step. A server cannot
-afford that: requests come and go, lengths are unknown in advance, and allocating on
-every step fragments memory. Instead, like an operating system's virtual memory, we cut
-one big buffer into fixed-size *pages* of `page_size` token slots and give each request a
-*page table*: the list of page numbers that hold its tokens, in order. Token `i` of a
-request lives in page `pages[i // page_size]`, slot `i % page_size`.
+"""The KV cache on the device: every layer's keys and values, in pages, in one tensor.
 
 Data structure: `kv[layer, 0 or 1 (K or V), page, slot, kv_head, head_dim]`, allocated
-once; a free list of page numbers; a reference count per page. A page can have several
-holders at once (two requests sharing a prompt prefix, or a request and the prefix
-cache), so it returns to the free list only when its last holder releases it.
+once at start-up. Which page belongs to which request is the host's business
+(`page_allocator.py`); this module only stores and reads: `write` puts a step's new keys
+and values into their flat slots (`page * page_size + slot`), `gather` reads whole pages
+back, and `layer_cache` gives kernels that read pages themselves (flashinfer, the torch
+backend's sparse decodes) the layer's tensors. The other ranks of a split model, and a
+second model that keeps K/V for the same tokens, each keep a cache of their own with the
+same pages, but no allocator.
 
-Page 0 is the *scratch page*: never handed out, it absorbs the writes of padding rows
-when a decode batch is padded up to a CUDA-graph bucket.
-
-The pool also counts the pages whose only holder is the prefix cache ("cached" pages,
-the evictable ones), updating the count as references come and go, so that reading it
-costs nothing however large the cache grows.
-
-A *quantized* pool (`kv_cache_dtype` "int8" or "fp8_e4m3") stores every key and value
+A *quantized* cache (`kv_cache_dtype` "int8" or "fp8_e4m3") stores every key and value
 vector in one byte per number, with a float32 scale per (token, KV head) kept beside the
 pages in `scales[layer, 0 or 1, page, slot, kv_head]`: the vector is about `code * scale`.
 The scale maps the vector's largest magnitude to the code type's largest value, so each
@@ -27,26 +17,23 @@ vector keeps its own range. `write` quantizes as the keys and values are stored,
 dequantizes the pages attention reads; a page costs a bit over a quarter of its float32
 bytes (half its bfloat16 ones), so the same memory holds about four (two) times the pages.
 flashinfer's kernels read fp8 pages themselves and take one scale per tensor instead (all
-of a layer's keys, all its values): such a pool (`per_vector_scales=False`) keeps no
+of a layer's keys, all its values): such a cache (`per_vector_scales=False`) keeps no
 scales, and stores each number at scale 1, saturating at fp8's largest, ±448 (vLLM's
 default too when a checkpoint ships no calibrated scales).
-
-Invariant: a page is in the free list exactly when its reference count is 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-SCRATCH_PAGE = 0
-# The one-byte storage types of a quantized pool, and the largest magnitude each holds.
+# The one-byte storage types of a quantized cache, and the largest magnitude each holds.
 QUANTIZED_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max}
 SCALE_DTYPE = torch.float32
-# The scale of every number in a pool without per-vector scales (see above).
+# The scale of every number in a cache without per-vector scales (see above).
 TENSOR_SCALE = 1.0
 
 
-class KVPool:
+class KVCache:
     def __init__(
         self,
         num_layers: int,
@@ -60,9 +47,9 @@ class KVPool:
         per_vector_scales: bool = True,  # else one scale per tensor, TENSOR_SCALE
     ) -> None:
         if num_pages < 2:
-            raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+            raise ValueError(f"the KV cache needs at least 2 pages (one is scratch), got {num_pages}")
         if storage_dtype == torch.int8 and not per_vector_scales:
-            raise ValueError("an int8 KV pool needs a scale per vector: integers at scale 1 lose all")
+            raise ValueError("an int8 KV cache needs a scale per vector: integers at scale 1 lose all")
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype  # what attention reads and writes
@@ -73,11 +60,6 @@ class KVPool:
             if self.is_quantized and per_vector_scales
             else None
         )
-        self.ref_counts = [0] * num_pages
-        self.in_cache = [False] * num_pages  # does the prefix cache hold a reference?
-        self.num_cache_only_pages = 0
-        # Popping from the end hands out low page numbers first, which keeps tests readable.
-        self.free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
 
     @staticmethod
     def bytes_per_page(
@@ -100,14 +82,6 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
-
-    @property
-    def num_usable_pages(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self.free_pages)
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V caches, each `[num_pages, page_size, kv_heads, head_dim]`."""
@@ -143,56 +117,6 @@ class KVPool:
         else:
             values = dequantize(cache[pages], self.scales[layer, kind][pages], self.dtype)
         return values if out is None else out.copy_(values)
-
-    def allocate(self, count: int) -> list[int]:
-        """Take `count` free pages, each with one holder (the caller)."""
-        if count > len(self.free_pages):
-            raise RuntimeError(f"asked for {count} pages, only {len(self.free_pages)} free")
-        pages = [self.free_pages.pop() for _ in range(count)]
-        for page in pages:
-            self.ref_counts[page] = 1
-        return pages
-
-    def retain(self, pages: list[int]) -> None:
-        """Add one holder to each page (it must already be held by someone)."""
-        for page in pages:
-            assert self.ref_counts[page] > 0, f"retain of free page {page}"
-            self._add_holder(page)
-
-    def release(self, pages: list[int]) -> None:
-        """Drop one holder from each page; pages nobody holds go back to the free list."""
-        for page in pages:
-            assert self.ref_counts[page] > 0, f"release of free page {page}"
-            self._drop_holder(page)
-
-    def cache_retain(self, pages: list[int]) -> None:
-        """The prefix cache becomes a holder of these pages."""
-        for page in pages:
-            assert not self.in_cache[page], f"page {page} is cached twice"
-            self._add_holder(page)
-            self.in_cache[page] = True
-            self.num_cache_only_pages += self.ref_counts[page] == 1
-
-    def cache_release(self, pages: list[int]) -> None:
-        """The prefix cache lets go of these pages."""
-        for page in pages:
-            assert self.in_cache[page], f"page {page} is not cached"
-            self.num_cache_only_pages -= self.ref_counts[page] == 1
-            self.in_cache[page] = False
-            self._drop_holder(page)
-
-    def _add_holder(self, page: int) -> None:
-        self.ref_counts[page] += 1
-        if self.ref_counts[page] == 2 and self.in_cache[page]:
-            self.num_cache_only_pages -= 1  # a request now uses a cached page
-
-    def _drop_holder(self, page: int) -> None:
-        self.ref_counts[page] -= 1
-        if self.ref_counts[page] == 1 and self.in_cache[page]:
-            self.num_cache_only_pages += 1  # the last request let go of a cached page
-        elif self.ref_counts[page] == 0:
-            self.free_pages.append(page)
-
 
 def quantize(vectors: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectors `[..., dim]` as codes in `dtype` and one float32 scale per vector `[...]`."""
