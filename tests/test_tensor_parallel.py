@@ -424,7 +424,8 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
         if isinstance(mine, torch.Tensor):
             assert torch.equal(mine, theirs), field
         else:
-            assert field in ("sampled_requests", "num_sampled_rows", "bucket"), field
+            assert field in ("sampled_requests", "num_sampled_rows", "prompt_rows", "pooled_rows",
+                             "bucket"), field
     assert received.bucket == inputs.bucket == 2
     for field in AttentionMetadata.__dataclass_fields__:
         mine, theirs = getattr(inputs.metadata, field), getattr(received.metadata, field)
