@@ -1,0 +1,559 @@
+"""The learning path's pictures (`docs/learn/img/`), drawn from the engine as it runs.
+
+Every picture runs the real engine on a tiny random checkpoint (`tools/checkpoints.py`),
+records what it did as plain data (a `collect_*` function, which the tests check against
+the engine's own invariants) and draws that with matplotlib (a `draw_*` function). Nothing
+is drawn by hand, so a picture changes when the code does:
+
+    python -m tools.learn_pictures                  # from the repository root: docs/learn/img/
+    python -m tools.learn_pictures --out /tmp/pics  # anywhere else
+
+Without `--model` it builds the tiny Qwen3 checkpoint the tests use (seeded: the same
+pictures every run). matplotlib is an optional extra: `pip install -e ".[plot]"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoqwen import LLMEngine, SamplingParams
+from nanoqwen.model.layers import TensorParallel, split_across
+from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.runner.step_inputs import StepInputs
+from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.weights.checkpoint import open_checkpoint
+
+IMAGE_DIR = Path(__file__).resolve().parents[1] / "docs" / "learn" / "img"
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+class StepRecorder:
+    """An engine observer (`LLMEngine.observe`) that keeps every step's batch as it was laid
+    out: `(request id, new tokens, tokens computed before, prompt length, proposed)`."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, int, int, int, list[int]]]] = []
+        self.inputs: list[StepInputs] = []
+
+    def phase(self, name: str) -> Any:
+        return nullcontext()
+
+    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+        self.steps.append([
+            (r.request_id, n, r.num_computed_tokens, r.num_prompt_tokens, list(r.proposed_token_ids))
+            for r, n in zip(batch.requests, batch.num_new_tokens)
+        ])
+        self.inputs.append(inputs)
+
+
+# --------------------------------------------------------------------------- 1. page table
+@dataclass
+class PageTableSnapshot:
+    """The engine between two steps: each running request's page table, and every page's
+    holders (`ref_counts`; `in_cache`: the prefix cache is one of them)."""
+
+    page_size: int
+    requests: list[tuple[str, int, list[int]]]  # (id, tokens with K/V, pages)
+    ref_counts: list[int]
+    in_cache: list[bool]
+    csr: dict[str, list[int]]  # the page table of the step just run, as the kernels read it
+
+
+def collect_page_table(model: str) -> PageTableSnapshot:
+    """Three requests sharing a system prompt, one of them decoding, one mid-prefill, after
+    an earlier request has finished and left its pages to the prefix cache."""
+    engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4)
+    recorder = StepRecorder()
+    engine.observe(recorder)
+    system = list(range(10, 22))  # 12 tokens: three whole pages, shared by everyone
+    engine.add_request(system + [300, 301, 302, 303, 304], SamplingParams(max_tokens=3, **GREEDY))
+    _run_until_idle(engine)  # finished: its full pages stay in the prefix cache
+    for offset, length, max_tokens in ((400, 3, 20), (500, 7, 20), (600, 22, 20)):
+        prompt = system + list(range(offset, offset + length))
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    allocator = engine.allocator
+    inputs = recorder.inputs[-1].metadata
+    csr = {
+        name: getattr(inputs, name).tolist()
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
+    }
+    return PageTableSnapshot(
+        page_size=allocator.page_size,
+        requests=[(r.request_id, r.num_computed_tokens, list(r.pages)) for r in engine.scheduler.running],
+        ref_counts=list(allocator.ref_counts),
+        in_cache=list(allocator.in_cache),
+        csr=csr,
+    )
+
+
+PAGE_COLORS = {
+    "several": ("#f4a259", "several requests'"),
+    "own+cache": ("#9bc59d", "one request's, in the prefix cache too"),
+    "own": ("#4f7f6f", "one request's alone"),
+    "cached": ("#8cb4d8", "the prefix cache's alone (evictable)"),
+    "free": ("#eeeeee", "free"),
+}
+
+
+def page_kind(snapshot: PageTableSnapshot, page: int) -> str:
+    """Who holds `page`: the key of `PAGE_COLORS`."""
+    cached = snapshot.in_cache[page]
+    requests = snapshot.ref_counts[page] - cached  # holders other than the prefix cache
+    if requests == 0:
+        return "cached" if cached else "free"
+    if requests > 1:
+        return "several"
+    return "own+cache" if cached else "own"
+
+
+def draw_page_table(snapshot: PageTableSnapshot, path: Path) -> None:
+    plt, patches = _pyplot()
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(11, 6.2), gridspec_kw={"height_ratios": [len(snapshot.requests) + 1, 2.2]}
+    )
+    size = snapshot.page_size
+    for row, (request_id, computed, pages) in enumerate(snapshot.requests):
+        y = len(snapshot.requests) - row
+        top.text(-0.3, y, f"{request_id}\n{computed} tokens", ha="right", va="center", fontsize=9)
+        for index, page in enumerate(pages):
+            color = PAGE_COLORS[page_kind(snapshot, page)][0]
+            filled = min(size, max(0, computed - index * size))
+            for slot in range(size):
+                face = color if slot < filled else "white"
+                top.add_patch(patches.Rectangle((index + slot / size, y - 0.35), 1 / size, 0.7,
+                                                facecolor=face, edgecolor="#999999", lw=0.4))
+            top.add_patch(patches.Rectangle((index, y - 0.35), 1, 0.7, fill=False, lw=1.2))
+            top.text(index + 0.5, y + 0.45, f"page {page}", ha="center", fontsize=7)
+    width = max(len(pages) for _, _, pages in snapshot.requests)
+    top.set_xlim(-2.2, width + 0.2)
+    top.set_ylim(0.3, len(snapshot.requests) + 1)
+    top.set_title(f"Each running request's page table (page_size {size}); a slot is shaded "
+                  "once its token's K/V is in it", fontsize=10)
+    top.axis("off")
+    for page in range(1, len(snapshot.ref_counts)):
+        color = PAGE_COLORS[page_kind(snapshot, page)][0]
+        bottom.add_patch(patches.Rectangle((page - 1, 0), 0.92, 1, facecolor=color))
+        bottom.text(page - 0.54, 0.5, str(page), ha="center", va="center", fontsize=7)
+        if snapshot.ref_counts[page]:
+            bottom.text(page - 0.54, -0.35, f"×{snapshot.ref_counts[page]}", ha="center", fontsize=6)
+    csr = snapshot.csr
+    bottom.text(0, -1.3, "\n".join(f"{name} = {values}" for name, values in csr.items()),
+                fontsize=8, family="monospace", va="top")
+    bottom.set_xlim(-0.2, len(snapshot.ref_counts))
+    bottom.set_ylim(-3.4, 1.4)
+    bottom.set_title("The pool (page 0, scratch, not shown): ×n = holders, the prefix cache "
+                     "counted; below, the page table of the step just run, as kernels read it",
+                     fontsize=10)
+    bottom.axis("off")
+    bottom.legend(handles=[patches.Patch(color=c, label=label) for c, label in PAGE_COLORS.values()],
+                  loc="upper right", fontsize=8, ncol=3, bbox_to_anchor=(1, 1.75))
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 2. radix tree
+@dataclass
+class TreeNode:
+    text: str  # the edge's tokens, decoded
+    num_pages: int
+    children: list[TreeNode] = field(default_factory=list)
+
+
+def collect_radix_tree(model: str) -> tuple[TreeNode, int]:
+    """The prefix cache after a three-turn chat and a second chat with the same system
+    prompt; returns the tree and the number of pages the cache holds."""
+    engine = LLMEngine(model, page_size=8, num_pages=128)
+    tokenizer = engine.tokenizer
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
+    chat = [system]
+    for question in ("What is a page table?", "Why pages of 16 tokens?", "And the radix tree?"):
+        chat.append({"role": "user", "content": question})
+        engine.add_request(tokenizer.apply_chat_template(chat), params)
+        reply = _run_until_idle(engine)[0]
+        chat.append({"role": "assistant", "content": reply.text})
+    other = [system, {"role": "user", "content": "Hello there!"}]
+    engine.add_request(tokenizer.apply_chat_template(other), params)
+    _run_until_idle(engine)
+
+    def convert(node: Any) -> TreeNode:
+        children = [convert(child) for child in node.children.values()]
+        return TreeNode(tokenizer.decode(node.tokens), len(node.pages), children)
+
+    return convert(engine.cache.root), engine.cache.num_pages
+
+
+def draw_radix_tree(tree: TreeNode, path: Path) -> None:
+    plt, patches = _pyplot()
+    fig, axes = plt.subplots(figsize=(12, 6))
+    positions: dict[int, tuple[float, float]] = {}
+    next_leaf = [0.0]
+
+    def place(node: TreeNode, depth: int) -> float:
+        if node.children:
+            x = sum(place(child, depth + 1) for child in node.children) / len(node.children)
+        else:
+            x, next_leaf[0] = next_leaf[0], next_leaf[0] + 1
+        positions[id(node)] = (x, -depth)
+        return x
+
+    place(tree, 0)
+    for node in _walk(tree):
+        x, y = positions[id(node)]
+        for child in node.children:
+            cx, cy = positions[id(child)]
+            axes.plot([x, cx], [y - 0.12, cy + 0.12], color="#888888", lw=1)
+        pages = f"{node.num_pages} page" + "s" * (node.num_pages != 1)
+        label = "root" if node is tree else f"{pages}\n{_shorten(node.text, 60)}"
+        axes.text(x, y, label, ha="center", va="center", fontsize=7.5,
+                  bbox=dict(boxstyle="round", facecolor="#dde8f0" if node.children else "#f6e3c5",
+                            edgecolor="#777777"))
+    xs = [x for x, _ in positions.values()]
+    ys = [y for _, y in positions.values()]
+    axes.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    axes.set_ylim(min(ys) - 0.6, 0.5)
+    axes.set_title("The prefix cache after a three-turn chat (left) and a second chat with the "
+                   "same system prompt (right);\neach box is an edge of whole pages and its text "
+                   "(the replies are a random model's)", fontsize=10)
+    axes.axis("off")
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 3. chunked prefill
+@dataclass
+class TimelineStep:
+    decodes: list[str]  # requests decoding one token this step
+    prefills: list[tuple[str, int]]  # (request, prompt tokens computed this step)
+
+
+def collect_timeline(model: str, chunk_size: int = 32) -> tuple[list[TimelineStep], int]:
+    """Four requests decode while two long prompts arrive (at steps 4 and 9): each step
+    carries every decode plus at most `chunk_size` prompt tokens."""
+    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size)
+    recorder = StepRecorder()
+    engine.observe(recorder)
+    arrivals = {0: [12, 14, 10, 16], 4: [150], 9: [90]}
+    token = iter(range(50, 10_000))
+    step = 0
+    while step in arrivals or engine.has_unfinished_requests():
+        for length in arrivals.get(step, []):
+            prompt = [next(token) % 700 + 50 for _ in range(length)]
+            engine.add_request(prompt, SamplingParams(max_tokens=14, **GREEDY))
+        engine.step()
+        step += 1
+    timeline = []
+    for batch in recorder.steps:
+        decodes = [rid for rid, n, done, prompt_len, _ in batch if n == 1 and done >= prompt_len]
+        prefills = [(rid, n) for rid, n, done, prompt_len, _ in batch if not (n == 1 and done >= prompt_len)]
+        timeline.append(TimelineStep(decodes, prefills))
+    return timeline, chunk_size
+
+
+def draw_timeline(timeline: list[TimelineStep], chunk_size: int, path: Path) -> None:
+    plt, patches = _pyplot()
+    fig, axes = plt.subplots(figsize=(11, 4.5))
+    names = sorted({rid for s in timeline for rid in s.decodes + [r for r, _ in s.prefills]},
+                   key=lambda rid: int(rid.split("-")[1]))
+    palette = plt.get_cmap("tab10")
+    color = {rid: palette(i % 10) for i, rid in enumerate(names)}
+    for x, step in enumerate(timeline):
+        bottom = 0
+        for rid in step.decodes:
+            axes.bar(x, 1, bottom=bottom, color=color[rid], edgecolor="black", lw=0.3, width=0.8)
+            bottom += 1
+        for rid, count in step.prefills:
+            axes.bar(x, count, bottom=bottom, color=color[rid], edgecolor="black", lw=0.3,
+                     width=0.8, hatch="//")
+            bottom += count
+    axes.axhline(chunk_size, color="#aa3333", ls="--", lw=1)
+    axes.text(len(timeline) - 0.5, chunk_size - 2.5, f"chunk_size = {chunk_size} prompt tokens",
+              ha="right", color="#aa3333", fontsize=8)
+    axes.set_xlabel("engine step")
+    axes.set_ylabel("tokens computed in the step")
+    axes.set_title("Chunked prefill: hatched = prompt chunks, plain = one decode token;\ndecodes "
+                   "ride along every step and spend none of the budget", fontsize=10)
+    axes.legend(handles=[patches.Patch(color=color[r], label=r) for r in names], fontsize=7,
+                ncol=len(names), loc="upper right")
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 4. speculation
+@dataclass
+class Verification:
+    step: int
+    request_id: str
+    num_proposed: int
+    num_accepted: int
+
+
+def collect_speculation(model: str) -> list[Verification]:
+    """Prompt-lookup speculation (4 guesses a step) on prompts that repeat themselves: every
+    step of every request that got tokens, with what was guessed and what was kept."""
+    engine = LLMEngine(model, speculative="ngram", num_speculative_tokens=4, page_size=8,
+                       num_pages=128)
+    recorder = StepRecorder()
+    engine.observe(recorder)
+    phrase = list(range(120, 132))
+    for prompt in (phrase * 3, [60, 61] + phrase * 2 + [62, 63, 64], list(range(200, 224))):
+        engine.add_request(prompt, SamplingParams(max_tokens=40, **GREEDY))
+    verifications = []
+    while engine.has_unfinished_requests():
+        outputs = {o.request_id: o for o in engine.step()}
+        for rid, _, _, _, proposed in recorder.steps[-1]:
+            if rid in outputs and outputs[rid].delta_token_ids:
+                accepted = len(outputs[rid].delta_token_ids) - 1
+                verifications.append(Verification(len(recorder.steps) - 1, rid, len(proposed), accepted))
+    return verifications
+
+
+def draw_speculation(verifications: list[Verification], path: Path) -> None:
+    plt, patches = _pyplot()
+    names = sorted({v.request_id for v in verifications})
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.6 * len(names) + 0.8), squeeze=False)
+    for ax, rid in zip(axes[:, 0], names):
+        for v in (v for v in verifications if v.request_id == rid):
+            for slot in range(v.num_proposed):
+                ok = slot < v.num_accepted
+                ax.add_patch(patches.Rectangle((v.step, slot), 0.85, 0.85,
+                                               facecolor="#5b9e5b" if ok else "#d0605e"))
+            ax.add_patch(patches.Rectangle((v.step + 0.05, v.num_accepted + 0.08), 0.75, 0.69,
+                                           fill=False, edgecolor="#3060a0", lw=1.5))
+        last = max(v.step for v in verifications)
+        ax.set_xlim(-0.5, last + 1.5)
+        ax.set_xticks(range(0, last + 1, 2))
+        ax.set_ylim(-0.2, 5)
+        ax.set_ylabel(rid, fontsize=8)
+        ax.set_yticks([])
+    axes[-1, 0].set_xlabel("engine step")
+    axes[0, 0].set_title("Each request's tokens per step: green guesses accepted, red rejected;\n"
+                         "blue outline, the target's own token (after the accepted ones)",
+                         fontsize=10)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 5. tensor parallelism
+@dataclass
+class RankSlices:
+    """Which rows (column-parallel) or columns (row-parallel) of each weight a rank keeps."""
+
+    rank: int
+    qkv: list[tuple[str, int, int]]  # (block: q, k or v; first row; rows)
+    o_proj_columns: tuple[int, int]
+    gate_up: list[tuple[str, int, int]]
+    down_columns: tuple[int, int]
+    vocab_rows: tuple[int, int]
+
+
+def collect_tensor_parallel(model: str, size: int = 4) -> tuple[list[RankSlices], dict[str, int]]:
+    """Build every rank's decoder layer (on the meta device: shapes, no memory) and read
+    which part of each checkpoint weight it keeps."""
+    config = open_checkpoint(model).model_config
+    ranks = []
+    for rank in range(size):
+        with split_across(TensorParallel(rank, size)), torch.device("meta"):
+            built = QwenForCausalLM(config)
+        layer = built.model.layers[0]
+        attention, mlp = layer.self_attn, layer.mlp
+        ranks.append(RankSlices(
+            rank,
+            [(name, s.start, s.length) for name, s in zip("qkv", attention.qkv_proj.splits)],
+            (attention.o_proj.in_split.start, attention.o_proj.in_split.length),
+            [(name, s.start, s.length) for name, s in zip(("gate", "up"), mlp.gate_up_proj.splits)],
+            (mlp.down_proj.in_split.start, mlp.down_proj.in_split.length),
+            (built.model.embed_tokens.first_id, built.model.embed_tokens.weight.shape[0]),
+        ))
+    shape = dict(heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                 hidden=config.hidden_size, intermediate=config.intermediate_size,
+                 vocab=config.vocab_size)
+    return ranks, shape
+
+
+def draw_tensor_parallel(ranks: list[RankSlices], shape: dict[str, int], path: Path) -> None:
+    plt, patches = _pyplot()
+    fig, axes = plt.subplots(figsize=(11, 5.2))
+    palette = plt.get_cmap("Set2")
+    head_dim, size = shape["head_dim"], len(ranks)
+    blocks = {"q": shape["heads"] * head_dim, "k": shape["kv_heads"] * head_dim,
+              "v": shape["kv_heads"] * head_dim}
+    rows = [
+        ("qkv_proj rows (column-parallel)", [(b, blocks[b]) for b in "qkv"],
+         lambda r: r.qkv),
+        ("o_proj columns (row-parallel), then all-reduce ①",
+         [("one column per query head channel", blocks["q"])],
+         lambda r: [("one column per query head channel", *r.o_proj_columns)]),
+        ("gate_up_proj rows (column-parallel)",
+         [("gate", shape["intermediate"]), ("up", shape["intermediate"])],
+         lambda r: r.gate_up),
+        ("down_proj columns (row-parallel), then all-reduce ②",
+         [("one column per MLP channel", shape["intermediate"])],
+         lambda r: [("one column per MLP channel", *r.down_columns)]),
+        ("embed_tokens / lm_head rows", [("one row per token id", shape["vocab"])],
+         lambda r: [("one row per token id", *r.vocab_rows)]),
+    ]
+    for row, (title, layout, slices_of) in enumerate(rows):
+        y = len(rows) - row
+        total = sum(length for _, length in layout)
+        offsets, start = {}, 0.0
+        for name, length in layout:
+            offsets[name] = start
+            axes.add_patch(patches.Rectangle((start / total, y), length / total, 0.55, fill=False))
+            axes.text((start + length / 2) / total, y + 0.62, name, ha="center", fontsize=7)
+            if name in blocks:  # head boundaries
+                for head in range(1, length // head_dim):
+                    x = (start + head * head_dim) / total
+                    axes.plot([x, x], [y, y + 0.55], color="#bbbbbb", lw=0.6, ls=":")
+            start += length
+        for r in ranks:
+            lane = 0.55 / size
+            for name, first, length in slices_of(r):
+                length = min(length, dict(layout)[name] - first)  # vocabulary padding
+                x = (offsets[name] + first) / total
+                axes.add_patch(patches.Rectangle((x, y + r.rank * lane), length / total, lane,
+                                                 facecolor=palette(r.rank), edgecolor="none"))
+        axes.text(-0.02, y + 0.27, title, ha="right", va="center", fontsize=8)
+    axes.legend(handles=[patches.Patch(color=palette(r), label=f"rank {r}") for r in range(size)],
+                loc="lower right", fontsize=8, ncol=size, bbox_to_anchor=(1, -0.05))
+    axes.set_xlim(-0.55, 1.02)
+    axes.set_ylim(0.6, len(rows) + 0.9)
+    axes.set_title(
+        f"One decoder layer on {size} ranks ({shape['heads']} query heads, {shape['kv_heads']} "
+        f"KV heads of {head_dim}; dotted: head boundaries):\neach lane is what one rank keeps. "
+        "With fewer KV heads than ranks, each is kept by several", fontsize=10)
+    axes.axis("off")
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 6. pool over time
+@dataclass
+class PoolStep:
+    used: int
+    cached: int
+    free: int
+    preemptions: int  # so far
+
+
+def collect_pool(model: str) -> list[PoolStep]:
+    """Twelve requests with a shared prefix in a pool too small for all of them at once:
+    pages fill, cached pages are evicted, and requests are preempted and recomputed."""
+    engine = LLMEngine(model, page_size=8, num_pages=48, chunk_size=64, max_num_seqs=12)
+    shared = list(range(30, 62))
+    for i in range(12):
+        prompt = shared + [100 + 7 * i + j for j in range(8 + 6 * (i % 3))]
+        engine.add_request(prompt, SamplingParams(max_tokens=30 + 5 * (i % 4), **GREEDY))
+    history = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.stats()
+        history.append(PoolStep(stats["pages_used"], stats["pages_cached"], stats["pages_free"],
+                                stats["preemptions"]))
+    return history
+
+
+def draw_pool(history: list[PoolStep], path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, axes = plt.subplots(figsize=(11, 3.8))
+    steps = range(len(history))
+    axes.stackplot(steps, [h.used for h in history], [h.cached for h in history],
+                   [h.free for h in history], labels=["in use", "cached (evictable)", "free"],
+                   colors=["#5b8e7d", "#8cb4d8", "#eeeeee"])
+    for step in range(1, len(history)):
+        if history[step].preemptions > history[step - 1].preemptions:
+            axes.axvline(step, color="#aa3333", lw=0.8, ls=":")
+    axes.set_xlabel("engine step")
+    axes.set_ylabel("pages")
+    axes.set_xlim(0, len(history) - 1)
+    axes.set_title("The KV pool during a workload larger than it;\ndotted lines mark "
+                   "preemptions (a request's pages released, its work recomputed later)",
+                   fontsize=10)
+    axes.legend(loc="upper right", fontsize=8)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- all of them
+PICTURES = {
+    "page_table.png": (collect_page_table, draw_page_table),
+    "radix_tree.png": (collect_radix_tree, lambda data, path: draw_radix_tree(data[0], path)),
+    "chunked_prefill.png": (collect_timeline, lambda data, path: draw_timeline(*data, path)),
+    "speculation.png": (collect_speculation, draw_speculation),
+    "tensor_parallel.png": (collect_tensor_parallel, lambda data, path: draw_tensor_parallel(*data, path)),
+    "kv_pool.png": (collect_pool, draw_pool),
+}
+
+
+def draw_all(model: str, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (collect, draw) in PICTURES.items():
+        draw(collect(model), out / name)
+        written.append(out / name)
+    return written
+
+
+def _run_until_idle(engine: LLMEngine) -> list[Any]:
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [output for output in engine.step() if output.finished]
+    return finished
+
+
+def _walk(node: TreeNode) -> Iterator[TreeNode]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def _shorten(text: str, limit: int) -> str:
+    """One line of printable ASCII (the random models' replies are any bytes at all)."""
+    text = "".join(c if " " <= c <= "~" else "⏎" if c == "\n" else "·" for c in text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _pyplot() -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.patches as patches
+    import matplotlib.pyplot as plt
+
+    return plt, patches
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    # No timestamps in the file, so the same pictures are the same bytes.
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    _pyplot()[0].close(fig)
+
+
+@contextmanager
+def _tiny_checkpoint() -> Iterator[str]:
+    from tools.checkpoints import build_qwen3
+
+    with tempfile.TemporaryDirectory() as directory:
+        yield build_qwen3(directory)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a checkpoint directory (default: the tiny test Qwen3)")
+    parser.add_argument("--out", type=Path, default=IMAGE_DIR, help="where the PNGs go")
+    args = parser.parse_args()
+    # One thread: tiny models gain nothing from more, and float sums then add up in one
+    # order, so the same code draws the same pictures.
+    torch.set_num_threads(1)
+    with nullcontext(args.model) if args.model else _tiny_checkpoint() as model:
+        for path in draw_all(model, args.out):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()
