@@ -1,33 +1,26 @@
 """The engine: the loop that ties tokenizer, scheduler, runner, sampler and cache together.
 
-`LLMEngine` is the online interface a server drives. `add_request` validates and queues a
-prompt; each `step()` reads like the pipeline it is:
+`LLMEngine` is the online interface a server drives. `add_request` checks and queues a
+prompt (bad input is a `ValueError`, and nothing is queued); each `step()` reads like the
+pipeline it is:
 
     schedule → propose → prepare → forward → sample → postprocess
 
-the scheduler picks a batch (`scheduling/`), a proposer may guess tokens for the model to
-verify in the same pass (`speculative/`; none by default), the runner lays the batch out,
-runs the model and chooses each request's new tokens (`runner/`), and the engine appends
-them one at a time, checks the stop conditions (EOS, stop token ids, stop strings,
-`max_tokens`, `max_model_len`) and returns one `RequestOutput` per request that made
-progress: the new text (`delta_text`, safe to stream) plus everything so far. Finished
-requests release their pages, leaving their full pages to the prefix cache so a
-follow-up turn can reuse them.
+and returns one `RequestOutput` per request that moved: its new text (`delta_text`, safe to
+stream) and everything so far. The engine appends a step's tokens one at a time through
+the stop checks (EOS, stop ids and strings, `max_tokens`, `max_model_len`); finished
+requests release their pages, leaving their full pages to the prefix cache. Embedding
+requests (`sampling/pooling.py`) and structured outputs (`sampling/grammar.py`, grammars
+compiled once in `self.grammars`) ride the same steps.
 
-A request may ask for a prompt's embedding instead of a continuation (`PoolingParams`,
-`sampling/pooling.py`): it is scheduled like the others and finishes once its prompt is
-computed. A structured-output request gets its grammar compiled (`sampling/grammar.py`;
-`self.grammars`, which a server calls first on its own threads, keeps compiled grammars
-for reuse).
+Start-up builds the pieces in dependency order: checkpoint and tokenizer, the other ranks
+of a split model, the runners, then the KV cache sized from what they measure
+(`plan_kv_pages`), with the page allocator, prefix cache and scheduler over it.
 
-Start-up builds the pieces in dependency order: the checkpoint and tokenizer; the other
-ranks of a split model, if any (`parallel/`); the runner (the model on its device) and
-the proposer's own model, if any; then the KV cache, sized from what the runners measure
-(`plan_kv_pages`), with the host-side page allocator, prefix cache and scheduler over it.
-
-The offline interface built on it, `LLM` (generate, chat, stream), is in `llm.py`. Bad
-input fails in `add_request` with a `ValueError`, before anything is queued. A benchmark
-times the phases of a step through `observe(observer)`; the engine keeps no clocks.
+Invariant: every request is waiting, running or finished, in exactly one place; a step
+that fails after scheduling raises `StepError` and leaves its requests as they were.
+`LLM` (`llm.py`) is the offline interface on top; a benchmark times phases through
+`observe`. The story: docs/learn/02-continuous-batching.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
 """Attention over a paged KV cache: one metadata format, one interface, one reference.
 
-In transformers each request has its own contiguous KV tensor. Here the keys and values
-of a whole batch live scattered across pages of the shared KV cache (`memory/kv_cache.py`), so an
-attention kernel needs to know, for each request, which query tokens are new this step
-and which pages hold its keys. We describe that with flashinfer's CSR page table, for a
-batch of `B` requests and `T` new tokens:
+A step's keys and values are scattered over pages of the KV cache (`memory/kv_cache.py`),
+and its requests are ragged. Every backend reads one description of the step,
+flashinfer's CSR page table, for `B` requests and `T` new tokens:
 
-* `qo_indptr[B+1]`: request `b`'s new tokens are rows `qo_indptr[b]:qo_indptr[b+1]`.
-* `kv_indptr[B+1]`, `kv_indices`: request `b`'s pages are
-  `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, in token order.
-* `kv_last_page_len[B]`: how many slots of its last page are filled (1..page_size),
-  counting this step's new tokens. So its KV length is `(num_pages - 1) * page_size + last`.
-* `positions[T]`: each new token's position in its sequence (RoPE uses it).
-* `slot_mapping[T]`: the flat cache slot (`page * page_size + offset`) each new token's
-  K/V is written to.
+* `qo_indptr[B+1]`: request `b`'s new tokens are rows `qo_indptr[b]:qo_indptr[b+1]`;
+* `kv_indptr[B+1]`, `kv_indices`: its pages are `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`;
+* `kv_last_page_len[B]`: slots filled in its last page (1..page_size), this step's tokens
+  included, so its KV length is `(num_pages - 1) * page_size + last`;
+* `positions[T]` (for RoPE) and `slot_mapping[T]` (where each new K/V is written).
 
-A prefill with a cached prefix, a decode, and any mix of them in one batch are all the
-same thing in this format: a request whose last `q_len` tokens are new and attend
-causally to everything before them.
+A decode, a prefill chunk and a prefill after a prefix hit are all a request whose last
+`q_len` tokens are new and attend causally to everything before them. A backend plans once
+per step (`plan`), then attends once per layer (`forward`: write the new K/V, attend).
 
-Each backend does two things per step: `plan(metadata)` once (shared by every layer),
-then `forward(layer, q, k, v)` per layer, which stores the new K/V in their slots and
-attends. `ReferenceBackend` below is the textbook version, request by request; the fast
-torch backend (`torch_backend.py`) and flashinfer's CUDA kernels
-(`flashinfer_backend.py`) compute the same thing from the same metadata, and the tests
-hold both to this one.
+Invariant: every backend computes the same causal attention from the same metadata; the
+tests hold the torch backend and flashinfer to the reference in `reference.py`. The story:
+docs/learn/04-attention-backends.md.
 """
 
 from __future__ import annotations

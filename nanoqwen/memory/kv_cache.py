@@ -1,25 +1,23 @@
 """The KV cache on the device: every layer's keys and values, in pages, in one tensor.
 
-Data structure: `kv[layer, 0 or 1 (K or V), page, slot, kv_head, head_dim]`, allocated
-once at start-up. Which page belongs to which request is the host's business
-(`page_allocator.py`); this module only stores and reads: `write` puts a step's new keys
-and values into their flat slots (`page * page_size + slot`), `gather` reads whole pages
-back, and `layer_cache` gives kernels that read pages themselves (flashinfer, the torch
-backend's sparse decodes) the layer's tensors. The other ranks of a split model, and a
-second model that keeps K/V for the same tokens, each keep a cache of their own with the
-same pages, but no allocator.
+`kv[layer, 0 or 1 (K or V), page, slot, kv_head, head_dim]`, allocated once at start-up.
+Which page belongs to which request is the host's business (`page_allocator.py`); this
+module only stores and reads: `write` puts a step's new keys and values into their flat
+slots (`page * page_size + slot`), `gather` reads whole pages back, and `layer_cache` gives
+kernels that read pages themselves (flashinfer, the torch backend's sparse decodes) the
+layer's tensors. Other ranks of a split model, and a second model keeping K/V for the same
+tokens, have caches of their own with the same pages and no allocator.
 
-A *quantized* cache (`kv_cache_dtype` "int8" or "fp8_e4m3") stores every key and value
-vector in one byte per number, with a float32 scale per (token, KV head) kept beside the
-pages in `scales[layer, 0 or 1, page, slot, kv_head]`: the vector is about `code * scale`.
-The scale maps the vector's largest magnitude to the code type's largest value, so each
-vector keeps its own range. `write` quantizes as the keys and values are stored, `gather`
-dequantizes the pages attention reads; a page costs a bit over a quarter of its float32
-bytes (half its bfloat16 ones), so the same memory holds about four (two) times the pages.
-flashinfer's kernels read fp8 pages themselves and take one scale per tensor instead (all
-of a layer's keys, all its values): such a cache (`per_vector_scales=False`) keeps no
-scales, and stores each number at scale 1, saturating at fp8's largest, ±448 (vLLM's
-default too when a checkpoint ships no calibrated scales).
+A quantized cache ("int8" or "fp8_e4m3") stores one byte per number with a float32 scale
+per (token, KV head) in `scales[layer, 0 or 1, page, slot, kv_head]`: the vector is about
+`code * scale`, its largest magnitude mapped to the code type's largest. `write`
+quantizes, `gather` dequantizes. flashinfer takes one scale per tensor instead, so such a
+cache (`per_vector_scales=False`) keeps no scales and stores numbers at scale 1,
+saturating at fp8's ±448.
+
+Invariant: the cache decides nothing: a slot holds what the last `write` to it stored,
+and only the host's page tables say whose it is. The story: docs/learn/03-paged-kv-cache.md
+and docs/learn/12-quantization.md.
 """
 
 from __future__ import annotations

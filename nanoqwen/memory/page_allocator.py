@@ -1,26 +1,19 @@
 """The page allocator: which KV pages are free, and who holds the others. Host-side only.
 
-A transformers model grows a fresh KV tensor per request and per step. A server cannot
-afford that: requests come and go, lengths are unknown in advance, and allocating on
-every step fragments memory. Instead, like an operating system's virtual memory, the KV
-memory is one buffer cut into fixed-size *pages* of `page_size` token slots
-(`kv_cache.py`), and each request gets a *page table*: the list of page numbers that hold
-its tokens, in order. Token `i` of a request lives in page `pages[i // page_size]`, slot
-`i % page_size`.
+The KV memory is one buffer cut into fixed-size pages of `page_size` token slots
+(`kv_cache.py`), allocated once; each request has a page table, the list of its pages in
+token order, so token `i` lives in page `pages[i // page_size]`, slot `i % page_size`.
+This module is the bookkeeping, apart from the tensors: a free list of page numbers and a
+reference count per page. A page may have several holders (requests sharing a prefix, and
+the prefix cache); it returns to the free list when the last one releases it. Pages whose
+only holder is the prefix cache ("cached", the evictable ones) are counted as references
+come and go, so reading the count costs nothing.
 
-Handing pages out is bookkeeping, kept apart from the tensors: a free list of page
-numbers and a reference count per page. A page can have several holders at once (two
-requests sharing a prompt prefix, or a request and the prefix cache), so it returns to
-the free list only when its last holder releases it. The allocator also counts the pages
-whose only holder is the prefix cache ("cached" pages, the evictable ones), updating the
-count as references come and go, so that reading it costs nothing however large the
-cache grows.
-
-Page 0 is the *scratch page*: never handed out, it absorbs the writes of padding rows
-when a decode batch is padded up to a CUDA-graph bucket.
+Page 0 is the scratch page: never handed out, it absorbs the writes of padding rows when a
+decode batch is padded to a CUDA-graph bucket.
 
 Invariant: a page is in the free list exactly when its reference count is 0; free +
-cached + in use == `num_usable_pages`.
+cached + in use == `num_usable_pages`. The story: docs/learn/03-paged-kv-cache.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """A radix tree over token ids that remembers which KV pages hold which prefixes.
 
-Chat turns, few-shot prompts and system prompts repeat the same prefix across requests.
-The keys and values of a prefix depend only on its tokens, so once computed they can be
-reused instead of recomputed: a new request whose prompt starts with a cached prefix
-points its page table at the cached pages and only prefills the rest.
+The K/V of a prefix depend only on its tokens, so a request whose prompt starts with a
+cached prefix takes the cached pages into its page table and prefills only the rest. Each
+edge of the tree is a run of tokens and each node owns the pages of its edge; the path
+from the root spells the prefix they hold. The tree is page-granular: an edge is a whole
+number of pages and children are keyed by their first page's tokens, so a match never
+ends inside a page, and a request's partial last page is recomputed, never shared.
 
-Data structure: a tree whose edges are runs of token ids. Each node owns the KV pages of
-its edge, and the path from the root to a node spells the prefix those pages hold. The
-tree is *page-granular*: an edge is always a whole number of pages (`page_size` tokens
-each) and children are keyed by the first page of their edge, so a match never ends in
-the middle of a page. A request's partial last page is recomputed, never shared, which
-keeps every shared page read-only.
+Ownership is by reference count in the page allocator: the tree holds one reference to
+each of its pages, every request one to each page of its table. A page only the tree holds
+is cached, reusable and evictable; one a request holds is in use. Eviction is
+least-recently-used over leaves, each trimmed from its end; an emptied leaf is removed.
 
-Ownership is by reference count in the page allocator (`page_allocator.py`): the tree holds one reference
-to each of its pages, and each request holds one to each page in its page table. A page
-held only by the tree is *cached*: reusable, and evictable under memory pressure. A page
-that some request holds is *in use* and cannot be evicted, whether or not the tree also
-has it.
-
-Eviction is least-recently-used over leaves: a leaf's pages are trimmed from the end
-(the least shared part of a prefix) until enough pages are free; an emptied leaf is
-removed, which may turn its parent into a leaf.
+Invariants: every shared page is read-only; eviction never frees a page a request holds;
+the tree holds exactly `num_pages` pages. The story: docs/learn/06-radix-prefix-cache.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,24 @@
 """The decoder's building blocks: RMSNorm, and linear layers that may be split across ranks.
 
-With tensor parallelism (`parallel/`) the model is cut into N slices that run at the same
-time, Megatron-style, and every split lives in the layers below, so that the decoder
-(`qwen.py`) reads exactly like the one-device model:
+Every split lives here, Megatron-style, so that the decoder (`qwen.py`) reads like the
+one-device model:
 
-* **Column-parallel** (`q/k/v`, `gate/up`): rank r keeps some output rows: whole query
-  heads (with their q/k/v biases) and the KV heads they read, or a slice of the MLP's
-  channels. The input, the hidden state, is the same on every rank.
-* **Row-parallel** (`o_proj`, `down_proj`): rank r keeps the input columns matching its
-  heads or channels, so it computes a *partial sum* of the full output; an all-reduce
-  adds the partial sums, and every rank again holds the same hidden state. That is two
-  all-reduces per decoder layer, the only communication inside one.
-* **Vocabulary-parallel** (`embed_tokens`, `lm_head`): rank r keeps a block of the
-  vocabulary's rows (padded to a multiple of N). The embedding looks up the ids in its
-  rows and an all-reduce fills in the rest; the lm_head computes that block of the
-  logits, which the runner joins on rank 0.
+* column-parallel (`q/k/v`, `gate/up`): rank r keeps some output rows, whole query heads
+  (with the KV heads they read) or a slice of the MLP's channels;
+* row-parallel (`o_proj`, `down_proj`): rank r keeps the matching input columns, computes
+  a partial sum, and an all-reduce adds the ranks' sums: two per decoder layer, the only
+  communication inside one;
+* vocabulary-parallel (`embed_tokens`, `lm_head`): rank r keeps a block of the
+  vocabulary's rows (padded to a multiple of N); the embedding's all-reduce fills in the
+  other ids, the lm_head's logits are joined on rank 0.
 
 With one rank every split is the whole weight and every collective a no-op. Each split
-parameter is loaded by a `load_block` that reads its slice of a checkpoint tensor, and only
-that slice (`weights/loader.py` hands it a lazily read tensor), so no rank ever holds a
-full weight it does not keep. A fused layer (qkv, gate_up) has one block per checkpoint
-weight, each split on its own. A layer that splits says how to load its parameters in
-`load_block(param, source, block)`; a parameter of any other module is kept whole.
+parameter is loaded by its layer's `load_block`, which reads only its slice of the
+checkpoint tensor, so no rank ever holds a full weight it does not keep.
+
+Invariant: the ranks' slices of a weight cover it exactly (KV heads fewer than the ranks
+are replicated), and after every all-reduce all ranks hold the same hidden state. The
+story, with a picture: docs/learn/11-tensor-parallelism.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,24 @@
 """The Qwen2 / Qwen3 decoder in plain torch, shaped for serving.
 
-The maths is the same as transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM`:
+The maths is transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM`:
 
     embed → N × [RMSNorm → attention → +residual → RMSNorm → SwiGLU MLP → +residual]
           → RMSNorm → lm_head
 
-Three things differ, and they are why an engine has its own model code:
+shaped three ways for serving: the input is one flat `[T]` vector of tokens from many
+requests, each with its own position (the attention backend knows from the page table
+whose token is whose); q/k/v and gate/up are fused projections (`qkv_proj`,
+`gate_up_proj`), which the loader fills from the checkpoint's separate weights; and logits
+are computed only for the rows to sample, so a prefill chunk that samples nothing skips
+the lm_head. Qwen2 adds a bias to q/k/v; Qwen3 RMS-normalises each q and k head before
+RoPE and may tie the lm_head to the embedding (`ModelConfig`'s switches).
 
-* **A flat batch.** Inputs are one `[T]` vector of token ids from many requests (a
-  prefill chunk of one, one decode token of another, ...), not a padded `[B, S]` block.
-  Each token carries its own position; the attention backend knows from the page table
-  which request each token belongs to.
-* **Fused projections.** q, k and v are one matmul (`qkv_proj`), gate and up another
-  (`gate_up_proj`): fewer, larger kernels. The loader concatenates the checkpoint's
-  separate weights into them.
-* **Logits only where needed.** The vocabulary projection is the biggest matmul per
-  token, yet only the last token of each request is sampled. `forward` takes the rows to
-  sample and never builds a `[T, vocab]` tensor; a prefill chunk that samples nothing
-  skips the lm_head entirely.
+Split across ranks, this same code builds one rank's slice: the layers (`layers.py`)
+decide which heads, channels and vocabulary rows, and add up partial results themselves.
 
-Qwen2 adds a bias to q/k/v; Qwen3 instead RMS-normalises each head of q and k before
-RoPE and may tie the lm_head to the embedding. `ModelConfig` carries these switches.
-
-Split across ranks, this same code builds one rank's slice of the model: the layers
-(`layers.py`) decide which heads, channels and vocabulary rows that is, and add up the
-partial results themselves. The logits `forward` returns are then this rank's block of
-the vocabulary, which the runner joins.
+Invariant: for the same weights, the logits of every sampled row equal transformers'
+(float32: within rounding; greedy ids: identical), which the tests check. The story:
+docs/learn/01-forward-pass-and-kv-cache.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,25 @@
 """CUDA graphs for decode steps: record the forward pass once, replay it every step.
 
-Why. A decode step pushes one token per request through the whole model: hundreds of
-small kernels. On a GPU, launching each of them from Python takes longer than running
-it, so without help the GPU mostly waits for the host. A CUDA graph records the kernel
-launches of one forward pass once; replaying it launches them all with a single call.
+A decode step launches hundreds of small kernels, and on a GPU launching them from Python
+takes longer than running them; a CUDA graph replays a recorded forward pass with one
+call. A graph is frozen (same kernels, shapes and addresses every replay), so decode is
+fitted to it:
 
-The catch is that a graph is frozen: every replay runs the same kernels on the same
-shapes, reading and writing the same addresses. Four ideas make decode fit that mould:
+* buckets: one graph per batch size (1, 2, 4, 8, then every multiple of 8 up to
+  `max_num_seqs`, at most 256); a step of B decodes is padded to the smallest bucket;
+* static buffers: each step's ids, positions, slots and page table are copied into tensors
+  that never move, shared by all buckets; the logits land in another;
+* padding rows are one-token requests on the scratch page (`memory/page_allocator.py`),
+  never sampled;
+* the attention backend's `plan` runs before each replay, outside the graph, writing into
+  buffers the captured kernels read (`attention/flashinfer_backend.py`).
 
-* **Buckets.** One graph per batch size: 1, 2, 4, 8, then every multiple of 8 up to
-  `max_num_seqs` (at most 256; bigger steps are long enough that launches don't matter).
-  A step of B decodes is padded to the smallest bucket that holds it.
-* **Static buffers.** Each step copies its token ids, positions, K/V slots and page table
-  into tensors that never move, and the graph leaves its logits in another. All buckets
-  share one set, sized for the largest; bucket b uses the first b rows.
-* **A scratch page.** Padding rows must be harmless: each is a one-token request on the
-  KV cache's scratch page (`memory/page_allocator.py`), and its logits row is dropped.
-* **Plan outside the graph.** Only flashinfer's `run` is captured, never its `plan`
-  (`attention/flashinfer_backend.py`). Before every replay, `plan` runs with the new page table
-  and writes its schedule into fixed buffers that the captured kernels read.
+Graphs are captured at start-up, largest first, sharing one memory pool. Prefill, mixed
+and oversized steps run eagerly. On the CPU there are no graphs, but asking for
+`decode_buckets` runs the same padding and buffers, which is how the tests check them.
 
-Graphs are captured at start-up (`capture_all`, once the KV cache they read exists),
-largest bucket first, all sharing one memory pool: the temporaries of a forward pass live
-in that pool for as long as the graph does, and the smaller graphs fit in the space the
-largest one needed. Prefill and mixed steps, and decode steps above the largest bucket,
-run eagerly.
-
-On the CPU there are no graphs, but the runner works the same way: it pads to a bucket,
-copies through the static buffers and calls the model. By default the CPU runs every
-step eagerly (padding only costs time there); asking for `decode_buckets` turns the
-runner on, which is how the tests check bucket choice, padding and the scratch page.
+Invariant: a replayed step computes exactly what the eager step would for its real rows;
+padding rows write only to the scratch page. The story: docs/learn/09-cuda-graphs.md.
 """
 
 from __future__ import annotations

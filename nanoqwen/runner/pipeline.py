@@ -21,7 +21,7 @@ Two kinds of request want more of a step than its next token. Prompt rows a requ
 to score have their logits computed after the sampled rows, and are scored before the
 tokens are chosen (`sampling/logprobs.py`); a step that ends an embedding request's prompt
 runs eagerly, never from a graph, and keeps that row's final hidden state
-(`sampling/pooling.py`).
+(`sampling/pooling.py`). Why graph steps are decided at layout: docs/learn/09-cuda-graphs.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
 """The model runner: everything that touches the model's device, behind `run(batch)`.
 
-The engine thinks in requests; the runner turns one step of them into tokens. It owns:
+The engine thinks in requests; the runner turns one step of them into tokens. It owns the
+model (loaded by `weights/loader.py`, this rank's slice when split), the attention backend
+(`attention/registry.py` picks it), the KV cache on the device (`memory/kv_cache.py`) and
+the step pipeline with its decode CUDA graphs (`pipeline.py`, `cuda_graph.py`). The cache
+is sized once: the runner reports what a page costs and, on a GPU, what the rest of the
+engine needs (`measure_overhead`), `plan_kv_pages` decides, `allocate_kv_cache` makes it.
+Which page is whose is the engine's business, never the runner's.
 
-* **the model**, loaded from the checkpoint (`weights/loader.py`), split across ranks
-  when there are several (`model/layers.py`);
-* **the attention backend**: flashinfer on CUDA when its kernels build and run for the
-  model (and its KV cache dtype), else the fast torch backend (`attention/registry.py`);
-* **the KV cache on the device** (`memory/kv_cache.py`), sized once at start-up: the
-  runner reports what a page costs and, on a GPU, what the rest of the engine needs
-  beside it (`measure_overhead`); `plan_kv_pages` turns that and the user's budget into a
-  page count, and `allocate_kv_cache` makes the cache. Which page is whose is the
-  engine's business (`memory/page_allocator.py`), not the runner's;
-* **the step pipeline** (`pipeline.py`: lay out, plan, forward, choose tokens), with the
-  decode CUDA graphs (`cuda_graph.py`) captured once the cache exists.
+On CUDA everything runs with the model's device made current (`on_device`), since graph
+capture, events and streams follow the current device, which is per thread.
 
-On CUDA everything runs with the model's device made current (`on_device`): graph
-capture, events and streams use the current device, and each thread has its own, so a
-step run by a server's engine thread on `cuda:1` would otherwise record on `cuda:0`.
-
-Split across ranks (`parallel/`), every rank has a runner over its slice of the model and
-a cache of its heads, with the same pages. Rank 0's `run` lays the step out on the host,
-broadcasts it (the one place the runner talks to the other ranks), and all ranks run the
-forward pass; the logits come back to rank 0 alone, which chooses the tokens.
+Split across ranks, every rank has a runner over its slice and a cache of its heads with
+the same pages; rank 0's `forward` broadcasts the laid-out step (the one place the runner
+talks to the other ranks), every rank runs it, and rank 0 alone gets the logits and
+chooses tokens. The story: docs/learn/01-forward-pass-and-kv-cache.md and, for the
+split, docs/learn/11-tensor-parallelism.md.
 """
 
 from __future__ import annotations

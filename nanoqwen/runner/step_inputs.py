@@ -24,7 +24,8 @@ are kept on the host as well, for backends that plan on the host.
 
 A step can be padded with extra rows to a fixed batch size, which CUDA graphs need
 (`cuda_graph.py`). A padding row is a request like any other to the model: one token at
-position 0 on the pool's scratch page (`memory/page_allocator.py`), and its logits are never sampled.
+position 0 on the pool's scratch page (`memory/page_allocator.py`), and its logits are never
+sampled. The page-table format, and why every backend reads it: docs/learn/04-attention-backends.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,28 @@
 """Batched sampling with per-request parameters.
 
-Problem: one decode step produces a logits row for every running request, and each request
-carries its own sampling settings (temperature, top-k, top-p, min-p, penalties, seed). Turning
-the ``[B, vocab]`` logits into ``B`` token ids must stay on the device, be vectorised across
-rows, and cost exactly one device→host transfer (the final ``.tolist()``), because it runs on
-every step.
+One step gives a logits row per sampled request, and each request has its own settings.
+Turning the `[B, vocab]` logits into `B` token ids stays on the device, vectorised across
+rows, with one device→host copy at the end (the chosen ids, and any logprobs with them):
 
-Pipeline, in the order vLLM and the OpenAI API define it:
+1. the raw logits get each row's `logit_bias`, repetition penalty (tokens seen: divide
+   positive logits, multiply negative ones), presence/frequency penalties (output tokens:
+   `logit -= frequency * count + presence * (count > 0)`), then a grammar's mask
+   (`grammar.py`);
+2. greedy rows (temperature 0, or top_k 1) take the argmax;
+3. the others are tempered and softmaxed, tokens outside top-k, the top-p nucleus and
+   `min_p * max_prob` are zeroed, and one is drawn by the exponential race:
+   `argmax(probs / E)`, `E ~ Exp(1)`, picks `i` with probability `probs[i] / sum(probs)`,
+   with each seeded row's noise from its own generator.
 
-1. processing of the raw logits: `logit_bias` added, then the penalties: repetition
-   (tokens seen in prompt or output; divide positive logits, multiply negative ones), then
-   presence/frequency (output tokens only: ``logit -= frequency * count + presence *
-   (count > 0)``), then a structured-output grammar's mask (``grammar.py``);
-2. greedy rows (temperature 0, or top_k 1) take the argmax and are done;
-3. the other rows: divide by temperature, softmax, drop tokens outside top-k, outside the top-p
-   nucleus, and below ``min_p * max_prob``, then draw a token.
-
-Drawing uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. picks token
-``i`` with probability ``probs[i] / sum(probs)``. Dropped tokens have probability 0 and can never
-win, and no renormalisation is needed. The point of the trick is that the noise is an
-ordinary tensor, so each seeded row can fill its own noise row from its own generator.
-
-Rows that ask for log-probabilities get them from the processed logits (``logprobs.py``),
-computed with the draw and copied to the host with the chosen ids in the step's one
-transfer; the sampler appends them to the request (``request.logprobs``), and advances a
-constrained request's grammar by its chosen token.
-
-Verifying proposed tokens (``speculative/verification.py``) needs the distribution itself
-rather than one draw from it: ``distribution`` returns exactly what ``sample`` draws from,
-normalised, and ``draw`` / ``uniform_noise`` draw from any distribution with the rows'
-own random streams.
+`distribution` returns exactly what `sample` draws from, and `draw` / `uniform_noise` draw
+with the rows' own random streams, for verifying proposed tokens
+(`speculative/verification.py`). Rows asking for log-probabilities get them from the
+processed logits (`logprobs.py`).
 
 Invariant: a row's result depends only on that row's logits, parameters, token history and
-generator, so a seeded request yields the same tokens whatever else shares the batch and
-whichever row it occupies. Every filter is an exact no-op for rows that disable it, so
-switching a stage on for one row never perturbs the others.
+generator, so a seeded request gets the same tokens whatever shares its batch, in whichever
+row; every filter is an exact no-op for rows that disable it. The story:
+docs/learn/08-sampling.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ other modules need to know about one request lives here:
   `token_ids`: only the tokens verification accepts are appended there.
 
 Invariant: `num_computed_tokens <= len(pages) * page_size`, and page `i` holds the K/V of
-tokens `[i * page_size, (i + 1) * page_size)`.
+tokens `[i * page_size, (i + 1) * page_size)`. A request's life, step by step:
+docs/learn/02-continuous-batching.md.
 """
 
 from __future__ import annotations

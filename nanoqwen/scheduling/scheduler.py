@@ -1,55 +1,29 @@
 """Continuous batching: decide, every step, which requests run and how many tokens each.
 
-A static batch waits for its slowest member. Continuous batching instead re-forms the
-batch at every step: finished requests leave, waiting ones join, and one forward pass
-serves requests at different stages. The unit of work is uniform: a request has
-`num_tokens` tokens of which the first `num_computed_tokens` already have K/V in its
-pages; a step computes the next `n` of them. A prefill is a request with many uncomputed
-tokens, a decode is one with exactly one (the token sampled last step). Once a step
-computes a request's last token, the model's logits for it give the next token.
+A request has `num_tokens` tokens, the first `num_computed_tokens` of which have K/V in its
+pages; a step computes the next `n` of them (a prefill: many; a decode: one). Requests are
+ordered by their `urgency` (`waiting_queue.py`): waiting ones in a heap, running ones in a
+list, least urgent last. Every step, `schedule()`:
 
-Every request carries an `urgency` key (`waiting_queue.py`): under the default "fcfs"
-policy it is just its arrival order; under "priority" it is its priority aged by how long
-it has waited, then arrival order. Waiting requests sit in a heap by that key, running
-ones in a list sorted by it, so the least urgent running request is always the last.
+1. gives each running request, most urgent first, its decode token, or a chunk of its
+   prompt from the step's `chunk_size` budget, which decodes don't spend;
+2. admits waiting requests, most urgent first, while the budget, `max_num_seqs` and pages
+   allow, each starting from the longest page-aligned prefix the prefix cache holds (and
+   waiting a step if another request is computing the page it needs next);
+3. grows page tables on demand, evicting cached pages first, then preempting the least
+   urgent running request (its full pages stay cached; it waits to be recomputed). A
+   waiting request strictly more urgent than the least urgent running one takes its seat
+   or its pages. A request that cannot fit even alone finishes with "length".
 
-Policy, every step:
+Tokens proposed for verification get pages only when some are free or evictable
+(`make_room_for_proposed`); `settle_proposed` keeps the accepted ones' K/V and frees the
+rest, so the prefix cache only ever sees accepted tokens.
 
-1. **Running requests first, most urgent first.** Each decode gets its one token. A
-   request still prefilling gets a chunk of its prompt from the step's prefill budget
-   (`chunk_size` tokens, shared by all prefills in the step; decodes don't spend it). So
-   decodes are never starved by a long prompt: every step carries every running decode,
-   plus at most `chunk_size` prompt tokens.
-2. **Then admission, most urgent first**, while the budget, `max_num_seqs` and free pages
-   allow. An admitted request first asks the prefix cache for the longest page-aligned
-   prefix it already holds and only computes the rest. A request whose next page is being
-   computed right now by another request's prefill waits one step, so it can reuse that
-   page instead of computing a copy.
-3. **Pages on demand.** A request gets pages as its computed length crosses page
-   boundaries. When none are free, cached pages are evicted (LRU); if that is not
-   enough, the least urgent running request (under fcfs, the latest arrival) is
-   *preempted*: its pages are released (its full pages stay in the prefix cache, so its
-   restart mostly hits the cache) and it goes back to the waiting heap with its key
-   unchanged, to be recomputed later. A request that cannot fit even alone finishes with
-   reason "length".
-4. **Priority preemption.** A waiting request whose aged priority is strictly better
-   than the least urgent running request's takes that request's place when the batch is
-   full (`max_num_seqs`) or the pages it needs to start are not there; it never displaces
-   one of equal or better aged priority. Under fcfs every aged priority is equal, so this
-   never happens. Because keys age, a request that has waited long enough outranks every
-   later arrival, so it is neither passed over nor preempted by them: nothing starves.
-5. **Proposed tokens** (guesses an engine may ask the model to verify, `request.py`) join
-   a request's row after the schedule is made, get pages only when some are free or
-   evictable (never by preempting anyone: `make_room_for_proposed`), and spend no
-   prefill budget. After the step, `settle_proposed` keeps the K/V of the tokens
-   verification accepted and rolls back the rest: the request's computed length shrinks
-   to its accepted tokens and the pages past it are freed. The prefix cache only ever
-   receives pages of accepted tokens.
-
-Preemptions are counted by cause: "kv_pages" (pages ran out) and "max_num_seqs" (a seat
-was given to a more urgent request). The request-side invariant (which pages hold which
-tokens) is stated in `request.py`. Between steps, a running request holds exactly the
-pages its computed tokens fill.
+Invariants: between steps a running request holds exactly the pages its computed tokens
+fill; a request is never displaced by one of equal or lower aged priority, so nothing
+ping-pongs and no wait is unbounded. Preemptions are counted by cause ("kv_pages",
+"max_num_seqs"). The story: docs/learn/02-continuous-batching.md,
+docs/learn/05-chunked-prefill.md and docs/learn/07-preemption-and-priority.md.
 """
 
 from __future__ import annotations

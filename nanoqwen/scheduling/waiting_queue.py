@@ -1,42 +1,22 @@
 """Who goes next: each request's urgency as one sortable key, and the heap of waiting ones.
 
-A request has a `priority` (lower is more urgent, 0 by default). Served strictly by
-priority, a request behind a steady stream of more urgent ones would wait forever, so
-priorities *age*: a request's effective priority improves by one level every
-`aging_steps` scheduler steps after it arrives. Precisely, at step `t` a request that
-arrived at step `a` has the effective priority
+A request has a `priority` (lower is more urgent, 0 by default). Under the "priority"
+policy its effective priority *ages*, improving by one level per `aging_steps` steps of
+waiting, so that no request waits forever. The key
 
-    effective(t) = priority - (t - a) / aging_steps
+    priority * aging_steps + arrival_step        (then arrival order, to break ties)
 
-and requests are served by (effective priority, arrival order).
+computed once at arrival, orders requests exactly as their effective priorities do at
+every step: compare two requests at step `t` and `t` cancels. So the heap never needs
+re-sorting. With `aging_steps = 0` the key is the priority itself; "fcfs" is the same
+machinery with every request at level 0. An fcfs engine refuses a non-zero priority
+(`check_priority`) rather than silently ignore it.
 
-That looks like it needs every waiting request re-ranked every step. It doesn't. For two
-requests at the same step `t`, multiply by `aging_steps` (positive) and add `t`:
-
-    effective_i(t) < effective_j(t)
-    <=>  priority_i * aging_steps + a_i  <  priority_j * aging_steps + a_j
-
-`t` cancels: the order between two requests is the same at every step. So the key
-`priority * aging_steps + arrival_step`, computed once at arrival, orders the requests
-exactly as their effective priorities do at any step, and a heap keyed by it never needs
-updating. Arrival order breaks ties. Read the key as a virtual arrival step: priority `p`
-means "serve me as if I had arrived `p * aging_steps` steps later than I did".
-
-(Aging by whole levels, `priority - floor((t - a) / aging_steps)`, has no such key:
-whether two requests tie then depends on where `t` falls between multiples of
-`aging_steps`, so their order changes over time. The linear rule gains one level per
-`aging_steps` steps too, and is never a whole level away from it.)
-
-With `aging_steps = 0` aging is off and the key is the priority itself. First come first
-served is the same machinery with every request at level 0: arrival order alone decides.
-
-A priority must be an integer, and only the "priority" policy takes one other than 0
-(`check_priority`): an fcfs engine refuses it rather than silently ignore it.
-
-The key stays with a request while it runs: the scheduler compares running requests'
-keys with waiting ones' to choose whom to preempt (`scheduler.py`). So a request that
-has waited long enough outranks every later arrival, and cannot be pushed out by them
-either: that is what bounds its wait.
+Invariant: a request's key never changes, while it waits or while it runs (the scheduler
+compares running and waiting keys to choose whom to preempt). So once a request has
+waited long enough it outranks every later arrival and cannot be pushed out by them: its
+wait is bounded. The derivation, and why aging by whole levels would not give one key:
+docs/learn/07-preemption-and-priority.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The engine thread: how many blocking client threads share one engine.
 
-`LLMEngine` batches many requests into every step, but it is a plain object that only one
-thread may touch. An HTTP server is most simply written one thread per connection, each
-blocking on its own client. `EngineLoop` joins the two:
+`LLMEngine` batches many requests into every step, but only one thread may touch it; an
+HTTP server is most simply one thread per connection, blocking on its client.
+`EngineLoop` joins the two:
 
     handler threads (one per connection)         engine thread (exactly one)
     parse, validate, tokenize the prompt
@@ -10,27 +10,19 @@ blocking on its own client. `EngineLoop` joins the two:
                                                  step() ──► RequestOutputs
     block on its own output queue ◄──────────── route each output by request id
 
-* **Commands.** Other threads never call the engine. They put a *command* (a function of
-  the engine, plus a `Future` for its result) on one queue. Between steps the engine
-  thread runs every queued command; with no work at all it blocks on that queue, so an
-  idle server burns no CPU. Commands must be quick: everything slow that can happen
-  elsewhere (tokenizing a long prompt, rendering the chat template) happens on the
-  handler thread before it submits, so one big prompt never stalls every other stream.
-* **Per-request queues.** Every submission (one HTTP request: several prompts, or `n`
-  samples of one) owns one queue of `RequestOutput`s. Its handler reads them as they come.
-* **Backpressure.** At most `capacity` engine requests are admitted at once (running plus
-  waiting); beyond that `submit` raises `QueueFull` rather than queue without bound.
-* **Failures.** A step that fails after scheduling raises `StepError` naming its requests,
-  which are still in the engine: the loop aborts them (freeing their pages), hands each of
-  their handlers a `RequestFailed`, logs the traceback once, and keeps serving everyone
-  else. Any other failure (inside scheduling itself) leaves the engine in an unknown
-  state: the loop stops for good, every handler gets `NotServing`, and `state` says
-  "failed" so health checks can tell.
+Other threads never call the engine: they queue *commands* (a function of the engine and
+a `Future`), which the engine thread runs between steps, blocking on the queue when idle.
+Commands must be quick; tokenizing and templating happen on the handler thread first. Each
+submission (one HTTP request: several prompts, or `n` samples) owns one output queue. At
+most `capacity` engine requests are admitted at once, beyond that `submit` raises
+`QueueFull`. A step that fails raises `StepError`: the loop aborts its requests, hands
+their handlers a `RequestFailed` and keeps serving; any other failure stops the loop for
+good (`NotServing`; `state` says "failed").
 
 Invariant: every admitted engine request is either in the engine with a route to its
-queue, or finished, with its final output (or its failure) delivered and its admission
-slot released. So stopping is: stop taking commands, abort what the engine holds (which
-delivers a final output to every waiting handler), and end the thread.
+queue, or finished, with its final output (or failure) delivered and its admission slot
+released. So stopping is: stop taking commands, abort what the engine holds, end the
+thread. The story: docs/learn/13-server.md.
 """
 
 from __future__ import annotations

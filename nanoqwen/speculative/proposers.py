@@ -1,58 +1,30 @@
 """Speculative decoding: guess a few tokens cheaply, let the target model check them at once.
 
-A decode step pushes one token per request through the whole model. On a GPU that step is
-memory-bound (every weight is read for a handful of tokens); on a CPU each step pays a
-fixed overhead. Either way, checking several tokens of one request costs little more than
-computing one. So a *proposer* guesses each request's next `k` tokens, and the step
-computes them as `k + 1` new tokens of the request's row (its last accepted token, then
-the drafts), next to everyone else's rows. The logits at each position say whether the
-next draft was right (`verification.py`): the request keeps the drafts up to the first
-wrong one, plus one token of the target's own. A step yields 1 to `k + 1` tokens per
-request, and greedy output is exactly what it is without speculation.
+A proposer guesses each request's next `k` tokens; the step computes them as `k + 1` new
+tokens of the request's row (its last accepted token, then the drafts), beside everyone
+else's rows, and `verification.py` keeps the drafts up to the first wrong one plus one
+token of the target's own. Two proposers:
 
-Two proposers:
-
-* `NgramProposer` (prompt lookup): find the latest earlier occurrence of the request's
-  last `n` tokens in its own tokens, for `n` from `ngram_max` down to `ngram_min`, and
-  propose what followed it. It costs a dictionary lookup and wins where outputs copy
-  their input (code edits, summaries, answers quoting a document). When nothing matches
-  it proposes nothing, and the step is an ordinary one.
+* `NgramProposer` (prompt lookup): what followed the latest earlier occurrence of the
+  request's last `n` tokens in its own text, `n` from `ngram_max` down to `ngram_min`; a
+  dictionary lookup that wins where outputs copy their input. No match, no drafts: the
+  step is an ordinary one.
 * `DraftModelProposer`: a smaller model with the same tokenizer, run by its own
   `ModelRunner`, proposes `k` tokens one at a time.
 
-**The hook.** The engine knows speculation only through its proposer: it asks it for
-draft tokens after each schedule (`propose`), has the runner verify them with the
-proposer's `choose_tokens` (`verification.py`), and hands the result back (`settle`).
-Everything else sees generic "proposed tokens". A step's drafts live on their requests
-(`Request.proposed_token_ids`), from `propose(batch, scheduler)`, right after the
-schedule is made, to `settle(...)`, right after the engine has appended the accepted
-tokens through its stop checks:
+The hook: the engine knows speculation only through its proposer. `propose` (right after
+the schedule) puts drafts on requests (`Request.proposed_token_ids`), with pages only where
+they can be had without preempting anyone (`Scheduler.make_room_for_proposed`); the runner
+verifies them with the proposer's `choose_tokens`; `settle` (after the engine has appended
+the accepted tokens through its stop checks) counts them and rolls the rest back
+(`Scheduler.settle_proposed`). Verification steps run eagerly: their rows vary in length,
+so they are shaped like small prefills, not decodes.
 
-1. `propose` gives every row that reaches its request's last token up to `k` drafts (no
-   more than `max_tokens` and `max_model_len` leave room for, and only as many as pages
-   can be had for without preempting anyone: `Scheduler.make_room_for_proposed`).
-2. The runner computes the rows and verifies the drafts.
-3. `settle` counts what was accepted and, for requests still running, rolls the rejected
-   drafts back (`Scheduler.settle_proposed`): their K/V slots are forgotten, the pages past
-   the request's new length are freed, and the prefix cache never sees them.
-
-**The draft model's KV cache** is a second pool with the same page size and page count
-as the target's, addressed by the *same page numbers*: the K/V of token `i` of a request
-sits in page `pages[i // page_size]` of both pools. So one set of page tables, reference
-counts, prefix cache, preemption and rollback serves both models, under one invariant: a
-request's first `num_computed_tokens` tokens have K/V in both pools. To keep it, the draft
-model first runs every row of the target's step (the same prefill chunks: it prefills
-chunk by chunk with the target), then proposes, and after its last draft runs one more
-pass so that every draft has draft K/V too: whichever prefix of the drafts is accepted,
-both pools hold it, and a page the prefix cache adopts is complete in both.
-
-**CUDA graphs: verification steps run eagerly.** Their rows are `1 + k` tokens long, with
-`k` varying by request and step (an n-gram proposes 0 to `k` tokens), so they are shaped
-like a small prefill, not a decode: graphs would need a bucket per (batch size, row
-length) pair and flashinfer's prefill kernel planned into fixed buffers. A verification
-step also does `k + 1` tokens of work per request, which dilutes the launch overhead that
-graphs remove. Steps where nothing was proposed are plain decodes and still replay the
-decode graphs, and so do the draft model's one-token passes, through its own runner.
+Invariant: the draft model's KV cache uses the target's page numbers, and a request's
+first `num_computed_tokens` tokens have K/V in both pools: the draft model runs every row
+of the target's step first (prefilling chunk by chunk with it), then its drafts, then one
+more pass, so whichever drafts are accepted, both pools hold them. The story:
+docs/learn/10-speculative-decoding.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
 """Verification: keep the draft tokens the target model agrees with, and stay exact.
 
-Speculative decoding (`proposers.py`) guesses a request's next `k` tokens cheaply and
-lets the target model check them all in one forward pass: the request's row in the step
-is its last accepted token followed by the `k` drafts, and the lm_head runs on all
-`k + 1` positions. Row `i`'s logits are the target's prediction for the token after
-draft `i` (row 0: after the last accepted token), so they say whether draft `i + 1` was
-right, and the last row predicts one token beyond the drafts. Each request turns its
-`k + 1` rows into between 1 and `k + 1` new tokens:
+A request with `k` drafts has `k + 1` rows of logits in the step: row `i` predicts the
+token after draft `i` (row 0: after the last accepted token), the last row one token beyond
+the drafts. Each request turns its rows into 1 to `k + 1` new tokens:
 
-* **Greedy requests** accept the longest prefix of drafts equal to the target's argmax,
-  then take the target's argmax at the first disagreement (or, all drafts accepted,
-  after the last draft: the *bonus* token). The tokens are exactly what decoding one at
-  a time would have produced.
-* **Sampled requests** use rejection sampling (Leviathan et al., Chen et al., 2023).
-  Draft `x` came from a distribution `q` (a draft model's, or a point mass on `x` for a
-  guess copied from the text); the target's distribution at that row is `p`. Accept `x`
-  with probability `min(1, p(x) / q(x))`; on the first rejection draw the token from the
-  residual `max(0, p - q)`, renormalised, and stop. If every draft is accepted, draw the
-  bonus token from the last row's `p`. Every emitted token is then distributed exactly as
-  if the target had sampled it alone.
+* greedy: the longest prefix of drafts equal to the target's argmax, then the target's
+  argmax at the first disagreement (or, all accepted, the bonus token after the last);
+* sampled: rejection sampling (Leviathan et al.; Chen et al., 2023): accept draft `x`,
+  drawn from `q` (a draft model's distribution, or a point mass for a guess copied from
+  the text), with probability `min(1, p(x) / q(x))`; at the first rejection draw from the
+  normalised residual `max(0, p - q)` and stop; all accepted, draw the bonus from `p`.
 
-`p` is what the sampler would sample from at that row (`Sampler.distribution`):
-penalties, temperature, top-k, top-p and min-p included. The history those depend on
-includes the drafts before the row (`DraftRow`), as it would have had the drafts been
-generated for real. All random numbers come from the request's own generator when it is
-seeded, in a fixed order, so a seeded request's output does not depend on its batch.
+`p` is what the sampler would sample from at that row (`Sampler.distribution`: penalties,
+temperature, top-k/top-p/min-p), with the drafts before the row in its history
+(`DraftRow`). Random numbers come from a seeded request's own generator, in a fixed order.
+
+Invariant: every emitted token is distributed exactly as if the target had sampled it
+alone; greedy output is what decoding one token at a time gives. The proof, and a picture
+of accepted and rejected drafts: docs/learn/10-speculative-decoding.md.
 """
 
 from __future__ import annotations
