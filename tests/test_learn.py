@@ -1,0 +1,236 @@
+"""The learning path (`docs/learn/`) stays true to the code it teaches.
+
+Every note links files and names symbols (`nanoqwen.room.module.Symbol`); a rename that
+forgets a note fails here. Every code block marked `python runnable` runs, on the tiny test
+checkpoints, as part of the suite. And the picture script (`tools/learn_pictures.py`) runs
+on the same checkpoints: what it records of the engine is checked against the engine's own
+invariants, and, where matplotlib is installed, drawn.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools import learn_pictures
+
+ROOT = Path(__file__).resolve().parents[1]
+LEARN = ROOT / "docs" / "learn"
+NOTES = sorted(LEARN.glob("[0-9][0-9]-*.md"))
+PAGES = [LEARN / "README.md", *NOTES, *sorted((ROOT / "docs").glob("*.md"))]
+SECTIONS = (
+    "The problem", "The idea", "The code", "How vLLM and SGLang do it", "Measured",
+    "Questions", "References",
+)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+SYMBOL = re.compile(r"(?:nanoqwen|tools)(?:\.\w+)+")
+PATH = re.compile(r"(?:nanoqwen|tools|tests|docs)/[\w./-]*\.(?:py|md|png|html)")
+RUNNABLE = re.compile(r"^```python runnable\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    return [
+        (f"{note.stem}[{index}]", code)
+        for note in NOTES
+        for index, code in enumerate(RUNNABLE.findall(note.read_text()))
+    ]
+
+
+def resolve(dotted: str) -> object:
+    """The module, class, function or attribute a dotted name names, or an AssertionError."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[split:]:
+            assert hasattr(target, attribute), f"{dotted}: {attribute!r} not found"
+            target = getattr(target, attribute)
+        return target
+    raise AssertionError(f"{dotted}: no such module")
+
+
+def test_the_path_has_thirteen_notes_in_order() -> None:
+    assert [note.name[:2] for note in NOTES] == [f"{n:02}" for n in range(1, 14)]
+    index = (LEARN / "README.md").read_text()
+    for note in NOTES:
+        assert f"]({note.name})" in index, f"the index does not link {note.name}"
+
+
+@pytest.mark.parametrize("note", NOTES, ids=lambda p: p.stem)
+def test_every_note_has_its_sections(note: Path) -> None:
+    headings = re.findall(r"^## (.+)$", note.read_text(), re.MULTILINE)
+    missing = [section for section in SECTIONS if section not in headings]
+    assert not missing, f"{note.name} lacks {missing}"
+    questions = note.read_text().split("## Questions")[1].split("## References")[0]
+    assert 4 <= len(re.findall(r"^\d+\. \*\*", questions, re.MULTILINE)) <= 6
+    assert "*Answer points:*" in questions and "*Follow-up:*" in questions
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_linked_files_exist(page: Path) -> None:
+    text = page.read_text()
+    targets = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+    missing = [t for t in targets if not (page.parent / t.split("#")[0]).exists()]
+    spans = [s for s in CODE_SPAN.findall(text) if PATH.fullmatch(s)]
+    missing += [s for s in spans if not (ROOT / s).exists()]
+    assert not missing, f"{rel(page)} links files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_named_symbols_exist(page: Path) -> None:
+    names = {s for s in CODE_SPAN.findall(page.read_text()) if SYMBOL.fullmatch(s)}
+    for name in sorted(names):
+        resolve(name)
+
+
+def test_docstrings_point_to_pages_that_exist() -> None:
+    """Module docstrings tell what a module is and point to the note with the story."""
+    pointers = {
+        (rel(path), target)
+        for path in sorted((ROOT / "nanoqwen").rglob("*.py"))
+        for target in re.findall(r"docs/[\w/-]+\.md", path.read_text())
+    }
+    assert len({target for _, target in pointers}) >= 10
+    missing = [pointer for pointer in sorted(pointers) if not (ROOT / pointer[1]).exists()]
+    assert not missing, f"docstrings point to pages that do not exist: {missing}"
+
+
+def test_the_symbol_checker_catches_a_rename() -> None:
+    assert resolve("nanoqwen.memory.page_allocator.PageAllocator.allocate")
+    with pytest.raises(AssertionError, match="'allocate_pages' not found"):
+        resolve("nanoqwen.memory.page_allocator.PageAllocator.allocate_pages")
+    with pytest.raises(AssertionError, match="no such module"):
+        resolve("nanoqwen_gone.memory")
+    assert PATH.fullmatch("nanoqwen/memory/kv_cache.py") and not PATH.fullmatch("kv_cache")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, and much faster on a machine others share."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
+def test_runnable_blocks_run(name: str, code: str, qwen3_dir: str, one_thread: None) -> None:
+    exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
+
+
+def test_every_note_runs_something() -> None:
+    with_blocks = {name.split("[")[0] for name, _ in runnable_blocks()}
+    assert with_blocks == {note.stem for note in NOTES}
+
+
+# --------------------------------------------------------------------------- the pictures
+@pytest.fixture(scope="module")
+def recorded(qwen3_dir: str) -> dict[str, object]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: collect(qwen3_dir) for name, (collect, _) in learn_pictures.PICTURES.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_page_table_picture_shows_the_pool_as_it_is(recorded: dict[str, object]) -> None:
+    snapshot = recorded["page_table.png"]
+    size, refs = snapshot.page_size, snapshot.ref_counts
+    assert len(snapshot.requests) == 3
+    holders = [0] * len(refs)
+    for _, computed, pages in snapshot.requests:
+        assert len(pages) == -(-computed // size)  # exactly the pages its tokens fill
+        for page in pages:
+            holders[page] += 1
+    assert all(refs[p] == holders[p] + snapshot.in_cache[p] for p in range(1, len(refs)))
+    # What the caption says: the system prompt's 3 pages have 4 holders, and the finished
+    # request left one page that only the prefix cache holds.
+    assert [p for p in range(len(refs)) if refs[p] == 4] == [1, 2, 3]
+    kinds = [learn_pictures.page_kind(snapshot, p) for p in range(1, len(refs))]
+    assert kinds.count("cached") == 1 and "own" in kinds and "own+cache" in kinds
+    csr = snapshot.csr
+    assert csr["kv_indptr"][-1] == len(csr["kv_indices"]) and len(csr["kv_last_page_len"]) == 3
+    assert max(b - a for a, b in zip(csr["qo_indptr"], csr["qo_indptr"][1:])) > 1  # a prefill
+
+
+def test_radix_tree_picture_holds_every_cached_page(recorded: dict[str, object]) -> None:
+    tree, num_pages = recorded["radix_tree.png"]
+    nodes = list(learn_pictures._walk(tree))
+    assert sum(node.num_pages for node in nodes) == num_pages
+    assert len(tree.children) == 1  # the shared system prompt ...
+    assert len(tree.children[0].children) == 2  # ... then the two chats part
+    assert "helpful assistant" in tree.children[0].text
+
+
+def test_timeline_picture_keeps_the_prefill_budget(recorded: dict[str, object]) -> None:
+    timeline, chunk_size = recorded["chunked_prefill.png"]
+    assert all(sum(n for _, n in step.prefills) <= chunk_size for step in timeline)
+    mixed = [step for step in timeline if step.decodes and step.prefills]
+    assert mixed, "no step mixed a prompt chunk with decodes"
+    steps_of = {}
+    for step in timeline:
+        for rid, _ in step.prefills:
+            steps_of[rid] = steps_of.get(rid, 0) + 1
+    # What the caption says: the 150-token prompt takes five steps, the 90-token one three.
+    assert (steps_of["req-4"], steps_of["req-5"]) == (5, 3)
+
+
+def test_speculation_picture_shows_both_outcomes(recorded: dict[str, object]) -> None:
+    verifications = recorded["speculation.png"]
+    assert all(0 <= v.num_accepted <= v.num_proposed for v in verifications)
+    guessed = [v for v in verifications if v.num_proposed]
+    assert any(v.num_accepted == v.num_proposed for v in guessed)
+    assert any(v.num_accepted < v.num_proposed for v in guessed)
+
+
+def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]) -> None:
+    ranks, shape = recorded["tensor_parallel.png"]
+    head_dim = shape["head_dim"]
+
+    def covered(slices: list[tuple[int, int]]) -> set[int]:
+        return {i for start, length in slices for i in range(start, start + length)}
+
+    q_rows = [(start, length) for r in ranks for name, start, length in r.qkv if name == "q"]
+    length = q_rows[0][1]
+    assert q_rows == [(rank * length, length) for rank in range(len(ranks))]  # disjoint, in order
+    assert covered(q_rows) == set(range(shape["heads"] * head_dim))
+    for block in "kv":
+        kv_rows = [(s, n) for r in ranks for name, s, n in r.qkv if name == block]
+        assert all(s % head_dim == 0 and n % head_dim == 0 for s, n in kv_rows)  # whole heads
+        assert covered(kv_rows) == set(range(shape["kv_heads"] * head_dim))
+    assert covered([r.o_proj_columns for r in ranks]) == set(range(shape["heads"] * head_dim))
+    assert covered([r.down_columns for r in ranks]) == set(range(shape["intermediate"]))
+    assert covered([r.vocab_rows for r in ranks]) >= set(range(shape["vocab"]))
+
+
+def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> None:
+    history = recorded["kv_pool.png"]
+    totals = {step.used + step.cached + step.free for step in history}
+    assert len(totals) == 1
+    assert history[-1].preemptions > 0 and history[-1].used == 0
+
+
+def test_picture_script_draws_every_picture(qwen3_dir: str, tmp_path: Path, one_thread: None) -> None:
+    pytest.importorskip("matplotlib")
+    written = learn_pictures.draw_all(qwen3_dir, tmp_path)
+    assert sorted(p.name for p in written) == sorted(learn_pictures.PICTURES)
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_the_notes_show_the_committed_pictures() -> None:
+    shown = {name for note in NOTES for name in re.findall(r"\(img/([\w.]+)\)", note.read_text())}
+    assert shown == set(learn_pictures.PICTURES)
+    assert all((LEARN / "img" / name).exists() for name in shown)
