@@ -77,11 +77,22 @@ def test_every_note_has_its_sections(note: Path) -> None:
     assert "*Answer points:*" in questions and "*Follow-up:*" in questions
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a markdown page's headings."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_linked_files_exist(page: Path) -> None:
     text = page.read_text()
-    targets = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
-    missing = [t for t in targets if not (page.parent / t.split("#")[0]).exists()]
+    targets = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+    missing = []
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        linked = page.parent / path if path else page
+        if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
+            missing.append(target)
     spans = [s for s in CODE_SPAN.findall(text) if PATH.fullmatch(s)]
     missing += [s for s in spans if not (ROOT / s).exists()]
     assert not missing, f"{rel(page)} links files that do not exist: {missing}"
@@ -106,13 +117,15 @@ def test_docstrings_point_to_pages_that_exist() -> None:
     assert not missing, f"docstrings point to pages that do not exist: {missing}"
 
 
-def test_the_symbol_checker_catches_a_rename() -> None:
+def test_the_checkers_catch_a_rename() -> None:
     assert resolve("nanoqwen.memory.page_allocator.PageAllocator.allocate")
     with pytest.raises(AssertionError, match="'allocate_pages' not found"):
         resolve("nanoqwen.memory.page_allocator.PageAllocator.allocate_pages")
     with pytest.raises(AssertionError, match="no such module"):
         resolve("nanoqwen_gone.memory")
     assert PATH.fullmatch("nanoqwen/memory/kv_cache.py") and not PATH.fullmatch("kv_cache")
+    assert {"running-the-examples", "the-figures"} <= anchors(LEARN / "README.md")
+    assert "how-vllm-and-sglang-do-it" in anchors(NOTES[0]) and "how-it-works" not in anchors(NOTES[0])
 
 
 @pytest.fixture
