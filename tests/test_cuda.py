@@ -33,7 +33,7 @@ CUDA = torch.device("cuda")
 # handles, the sampler's host copies): room the checks below allow past the budget.
 SLACK = 512 << 20
 
-pytestmark = pytest.mark.usefixtures("empty_gpu")
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("empty_gpu")]
 
 
 def pool_bytes(engine: LLMEngine) -> int:

@@ -35,7 +35,7 @@ from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.weights.checkpoint import read_checkpoint
 
-pytestmark = [needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
+pytestmark = [pytest.mark.cuda, needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
 
 CUDA = torch.device("cuda")
 VOCAB = 800
@@ -130,17 +130,20 @@ def test_engine_uses_flashinfer_and_captures_every_bucket(engines) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 17, 30])
-def test_graph_replay_matches_eager(engines, batch_size: int) -> None:
+def test_graph_replay_matches_eager(model_64: str, engines, batch_size: int) -> None:
+    """Replayed and eager decodes both agree with transformers up to bfloat16 near-ties.
+    Not with each other bit for bit: a graph pads its GEMMs' rows to the bucket and plans
+    split-KV for the bucket, which round in other places than an eager step does."""
     graphed, eager = engines
     rng = random.Random(batch_size)
     lengths = [rng.randint(2, 60) for _ in range(batch_size)]
     prompts = random_prompts(VOCAB, lengths, seed=batch_size)
-    outputs = []
+    expected = [hf_greedy_with_logits(model_64, prompt, 12, device="cuda") for prompt in prompts]
     for engine in (graphed, eager):
         ids = [engine.add_request(prompt, greedy(12)) for prompt in prompts]
         final = run_to_completion(engine)
-        outputs.append([final[i].token_ids for i in ids])
-    assert outputs[0] == outputs[1]
+        for request_id, (hf_tokens, hf_logits) in zip(ids, expected):
+            assert_greedy_agrees(final[request_id].token_ids, hf_tokens, hf_logits)
 
 
 def test_replays_allocate_nothing(engines) -> None:
@@ -149,7 +152,7 @@ def test_replays_allocate_nothing(engines) -> None:
         engine.add_request(prompt, greedy(50))
     engine.step()  # the prefill
     inputs = engine.runner.prepare(engine.scheduler.schedule().batch)
-    assert inputs.metadata.batch_size == 8 and engine.runner.decode_graphs.handles(inputs.metadata)
+    assert inputs.metadata.batch_size == 8 and inputs.bucket == 8
     logits = engine.runner.forward(inputs)
     first = logits.clone()
     torch.cuda.synchronize()

@@ -383,6 +383,7 @@ def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_
     assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 1
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [[(0, 9), (17, 1)], [(40, 1), (3, 1), (30, 1)], [(20, 7), (5, 1)]])
 def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) -> None:
@@ -409,6 +410,7 @@ def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) 
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_fp8_runs_on_flashinfer_and_int8_on_the_torch_backend(
     model_64_dir: str, caplog: pytest.LogCaptureFixture

@@ -547,6 +547,7 @@ def test_command_line_options_reach_the_engine() -> None:
     assert (seen["num_speculative_tokens"], seen["ngram_min"], seen["ngram_max"]) == (3, 1, 5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_speculation_matches_plain_decoding(qwen3_dir: str) -> None:
     prompts = [repetitive_prompt([61, 62, 63], 40), *random_prompts(VOCAB, [20, 33], seed=10)]
