@@ -334,7 +334,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     outputs part earlier than with a scale per vector (on some prompts at the first token),
     but only where float32 itself nearly hesitated."""
     log = fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(registry, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(registry, "flashinfer_backend_for", lambda *args: FlashInferBackend)
     monkeypatch.setattr(attention_flashinfer, "flashinfer_unsupported_reason", lambda *args: None)
     memory = 400_000
     options = dict(attention_backend="flashinfer", kv_cache_memory=memory)
@@ -376,11 +376,11 @@ def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_
         return attention_backend_class(None, shape, 16, torch.bfloat16, kv_dtype, cuda)
 
     assert choose(torch.float8_e4m3fn) is FlashInferBackend
-    assert [args[3] for args in built] == [torch.float8_e4m3fn]
+    assert [args[5] for args in built] == [torch.float8_e4m3fn] * 2  # a decode, a prefill
     with caplog.at_level(logging.WARNING):
         assert choose(torch.int8) is TorchBackend
     [warning] = [record.getMessage() for record in caplog.records]
-    assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 1
+    assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 2
 
 
 @pytest.mark.cuda
