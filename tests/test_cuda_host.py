@@ -53,6 +53,7 @@ from nanoqwen.runner import runner as runner_module
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
 from nanoqwen.runner.pipeline import StepPipeline
 from nanoqwen.runner.runner import ModelRunner, RunnerSettings, exact_device
+from nanoqwen.speculative import proposers
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 CUDA = torch.device("cuda")  # only ever compared and passed along here, never used
@@ -356,6 +357,56 @@ def test_start_up_and_every_step_run_on_the_models_device(
     assert set(seen) == {"choose backend", "allocate cache", "capture", "eager step", "bucket step"}
     for name, stacks in seen.items():
         assert all(stack == [engine.runner.device] for stack in stacks), name
+
+
+def test_the_draft_models_passes_and_sampling_run_on_its_device(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine asks its proposer for drafts outside the target runner's device context,
+    from whichever thread steps it: the draft runner makes its own device current for its
+    passes and for sampling the drafts (its events and generators belong to it)."""
+    engine = LLMEngine(model_dir, device="cpu", num_pages=64, draft_model=model_dir,
+                       num_speculative_tokens=2)
+    draft_runner = engine.proposer.runner
+    # The draft's runner told apart from the target's: what it makes current is noted as
+    # another device (its tensors stay where they are).
+    draft_device = torch.device("cpu", 1)
+    monkeypatch.setattr(draft_runner, "device", draft_device)
+    current: list[torch.device] = []
+
+    @contextmanager
+    def recording_device(device: torch.device):
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    seen: dict[str, list[list[torch.device]]] = {}
+
+    def spy(name: str, function):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, []).append(list(current))
+            return function(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(runner_module, "on_device", recording_device)
+    monkeypatch.setattr(proposers, "on_device", recording_device)
+    monkeypatch.setattr(proposers, "draw", spy("draw drafts", proposers.draw))
+    monkeypatch.setattr(draft_runner.pipeline, "forward",
+                        spy("draft pass", draft_runner.pipeline.forward))
+    monkeypatch.setattr(draft_runner.sampler, "distribution",
+                        spy("draft distribution", draft_runner.sampler.distribution))
+    monkeypatch.setattr(engine.runner.pipeline, "forward",
+                        spy("target pass", engine.runner.pipeline.forward))
+    for prompt in random_prompts(VOCAB, [5, 11], seed=1):
+        engine.add_request(prompt, greedy(6))
+    run_to_completion(engine)
+    assert set(seen) == {"draw drafts", "draft pass", "draft distribution", "target pass"}
+    assert engine.stats()["spec_proposed_tokens"] > 0
+    for name, stacks in seen.items():
+        expected = engine.runner.device if name == "target pass" else draft_device
+        assert all(stack and set(stack) == {expected} for stack in stacks), (name, stacks)
 
 
 def test_cuda_names_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:

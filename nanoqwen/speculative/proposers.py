@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.config import EngineConfig
-from nanoqwen.runner.runner import ModelRunner, RunnerSettings
+from nanoqwen.runner.runner import ModelRunner, RunnerSettings, on_device
 from nanoqwen.sampling.sampler import Sampler, draw
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
@@ -263,6 +263,14 @@ class DraftModelProposer(Proposer):
             wanted = self.wanted(batch, index)
             if wanted:
                 num_drafts[index] = self.reserve(batch, index, wanted, scheduler)
+        # The engine calls this from whichever thread steps it, whose current CUDA device
+        # may be another GPU's: the draft's passes, and its sampling, run on the draft's.
+        with on_device(self.runner.device):
+            self._draft(batch, num_drafts)
+
+    def _draft(self, batch: ScheduledBatch, num_drafts: dict[int, int]) -> None:
+        """Run the target's rows through the draft model, then `num_drafts[index]` one-token
+        passes for row `index`, appending each sampled draft to its request."""
         sampled = [index for index in range(len(batch)) if batch.reaches_last_token(index)]
         # The target's rows first, so the draft's K/V keeps up with the target's.
         logits = self._logits(batch)
