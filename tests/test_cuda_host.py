@@ -53,6 +53,7 @@ from nanoqwen.runner import runner as runner_module
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
 from nanoqwen.runner.pipeline import StepPipeline
 from nanoqwen.runner.runner import ModelRunner, RunnerSettings, exact_device
+from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
 from nanoqwen.speculative import proposers
 from nanoqwen.weights.checkpoint import read_checkpoint
 
@@ -414,6 +415,43 @@ def test_cuda_names_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert exact_device(torch.device("cuda")) == torch.device("cuda", 3)
     assert exact_device(torch.device("cuda:1")) == torch.device("cuda", 1)
     assert exact_device(torch.device("cpu")) == torch.device("cpu")
+
+
+# ----------------------------------------------------------------- host-to-device copies
+def test_a_step_reaches_the_gpu_in_copies_that_do_not_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split model's ranks receive each step on the host (rank 0 lays it out there, to
+    send it): every tensor goes to the GPU from pinned memory, without blocking, so the
+    host never waits for the GPU to finish the step before."""
+    builder = StepInputsBuilder(4)
+    builder.add_row([5, 6, 7], 0, [1], num_sampled=1)
+    builder.add_row([8], 9, [2, 3, 4], num_sampled=1)
+    laid_out = builder.build(torch.device("cpu"), [], [])
+    received = StepInputs.from_wire(laid_out.to_wire())
+    pinned: list[torch.Tensor] = []
+    copies: list[tuple[bool, bool]] = []  # (from pinned memory, non-blocking)
+    to = torch.Tensor.to
+
+    def pin_memory(tensor: torch.Tensor) -> torch.Tensor:
+        pinned.append(tensor.clone())
+        return pinned[-1]
+
+    def recording_to(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            copies.append((any(tensor is p for p in pinned), kwargs.get("non_blocking", False)))
+            return tensor
+        return to(tensor, *args, **kwargs)
+
+    for step in (laid_out, received):
+        copies.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "pin_memory", pin_memory)
+            patch.setattr(torch.Tensor, "to", recording_to)
+            on_gpu = step.to(CUDA)
+        assert len(copies) == 8 and set(copies) == {(True, True)}
+        # The host copies of the page table stay on the host, for backends that plan there.
+        assert on_gpu.metadata.kv_indptr_host.tolist() == [0, 1, 4]
 
 
 # ----------------------------------------------------------------- a split model

@@ -469,6 +469,27 @@ def test_draft_model_drafts_keep_the_target_distribution() -> None:
     assert chi_square_p_value(seconds, p) > P_VALUE_THRESHOLD
 
 
+def test_sampled_verification_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which rows hold drafts, and which tokens, is known on the host: verification sends
+    them to the device and reads back only its outcome, in one copy (on a GPU each read
+    waits for every kernel queued before it)."""
+    reads: list[torch.Size] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(tensor: torch.Tensor) -> list:
+        reads.append(tensor.shape)
+        return tolist(tensor)
+
+    q = torch.softmax(torch.arange(8.0), dim=-1)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    results = verify(TARGET_LOGITS.expand(3, -1), SamplingParams(temperature=1.0), [[1, 2]] * 3,
+                     probs=q.expand(3, 2, -1), count=3)
+    monkeypatch.undo()
+    assert len(results) == 3 and all(1 <= len(tokens) <= 3 for tokens in results)
+    # Tokens for the 9 rows, then whether each of the 6 drafts was accepted.
+    assert reads == [torch.Size([9 + 6])]
+
+
 # --------------------------------------------------------------------------- n-gram lookup
 def brute_force_lookup(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):

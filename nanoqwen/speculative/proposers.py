@@ -71,7 +71,7 @@ from nanoqwen.sampling.sampler import Sampler, draw
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
-from nanoqwen.speculative.verification import DraftRow, sample_with_drafts
+from nanoqwen.speculative.verification import DraftRow, sample_with_drafts, select_rows
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
 
@@ -276,7 +276,7 @@ class DraftModelProposer(Proposer):
         logits = self._logits(batch)
         rows = [row for row, index in enumerate(sampled) if num_drafts.get(index)]
         drafting = [sampled[row] for row in rows]
-        self._extend([batch.requests[i] for i in drafting], logits[rows])
+        self._extend([batch.requests[i] for i in drafting], select_rows(logits, rows))
         # Then one token per pass: the K/V of the latest draft, and the logits of the next.
         targets = {batch.requests[i]: num_drafts[i] for i in drafting}
         for position in range(max(targets.values(), default=0)):
@@ -285,7 +285,7 @@ class DraftModelProposer(Proposer):
                 feeding, [1] * len(feeding), starts=[r.num_tokens + position for r in feeding]
             ))
             growing = [row for row, r in enumerate(feeding) if targets[r] > position + 1]
-            self._extend([feeding[row] for row in growing], logits[growing])
+            self._extend([feeding[row] for row in growing], select_rows(logits, growing))
         for index in drafting:
             batch.num_new_tokens[index] += len(batch.requests[index].proposed_token_ids)
 
