@@ -195,7 +195,9 @@ def test_the_torch_backend_gathers_a_quantized_pool_s_decodes() -> None:
     backend = TorchBackend(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)
     assert backend.decodes is None  # no sparse product over one-byte codes
-    assert backend.padded is not None and backend.padded.output_rows.tolist() == [0, 13]
+    # Gathered and padded, in a group of their own (not padded to the prompt's length).
+    [decodes] = backend.padded
+    assert decodes.output_rows.tolist() == [0, 13] and decodes.mask.shape[2] == 1
 
 
 # ----------------------------------------------------------------- sizing

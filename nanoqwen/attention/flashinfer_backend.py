@@ -46,6 +46,8 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 # split into many pieces keeps their partial results there. One buffer serves every
 # wrapper, since a step runs only one of them.
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
+# Each wrapper's own buffer for its plan's schedule (flashinfer's size, on the device).
+FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20
 # With at least this many query heads per KV head, decode is faster on tensor cores: the
 # kernel stacks a group's heads into the rows of one matrix multiply (flashinfer's advice).
 TENSOR_CORE_MIN_GROUP_SIZE = 4
@@ -286,6 +288,15 @@ class FlashInferBackend(AttentionBackend):
             )
         )
         self.graph_decode_wrappers: dict[int, FencedWrapper] = {}
+
+    @classmethod
+    def step_memory(
+        cls, shape: AttentionShape, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+        q_lens: list[int], kv_lens: list[int], num_graph_buckets: int = 0,
+    ) -> int:
+        # The kernels work in the shared workspace whatever the step: only the wrappers'
+        # schedules add to it, one for prefills, one for decodes and one per graph bucket.
+        return FLASHINFER_WORKSPACE_BYTES + (2 + num_graph_buckets) * FLASHINFER_INT_WORKSPACE_BYTES
 
     @staticmethod
     def _fenced(wrapper: Any) -> FencedWrapper:
