@@ -112,8 +112,9 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim)
+        num_layers = kv_cache.kv.shape[0]
         self.costs = attention_costs(
-            AttentionShape(0, num_heads, num_kv_heads, head_dim), kv_cache.page_size,
+            AttentionShape(num_layers, num_heads, num_kv_heads, head_dim), kv_cache.page_size,
             kv_cache.dtype, kv_cache.kv.dtype,
         )
         # Gathered pages in the dtype attention computes in: keys (of decodes, then copied
