@@ -34,7 +34,8 @@ def engine_default(name: str) -> Any:
 ENGINE_OPTIONS = [
     click.option("--device", default=None, help="cpu or cuda. Default: cuda when available."),
     click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
-                 help="Weights and KV-cache dtype. Default: bfloat16 on CUDA, float32 on CPU."),
+                 help="Weights and KV-cache dtype. Default: bfloat16 on CUDA and on CPUs with bf16 "
+                      "arithmetic (AVX512-BF16, AMX), float32 on other CPUs."),
     click.option("--max-num-seqs", default=engine_default("max_num_seqs"),
                  type=click.IntRange(min=1), help="Most sequences in one batch."),
     click.option("--max-model-len", default=None, type=click.IntRange(min=1),
@@ -43,8 +44,8 @@ ENGINE_OPTIONS = [
                  help="Tokens per KV-cache page."),
     click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
                  help="KV-cache size: bytes, or a fraction (<= 1) of free memory (GPU or RAM). "
-                      f"Default: what is left on a GPU, {CPU_KV_CACHE_FRACTION:.0%} of "
-                      "available RAM on a CPU."),
+                      "Default: what is left on a GPU; on a CPU, what every sequence at "
+                      f"full length needs, at most {CPU_KV_CACHE_FRACTION:.0%} of the RAM."),
     click.option("--num-pages", default=None, type=click.IntRange(min=1),
                  help="KV-cache size in pages (overrides --kv-cache-memory)."),
     click.option("--chunk-size", default=None, type=click.IntRange(min=1),
