@@ -34,6 +34,11 @@ inputs, forward, sample and detokenize/bookkeeping, which says where the time go
 
 `--compare hf` runs the same prompts through transformers' `generate` on the same weights
 (`bench_baseline.py`; multi-turn prompts are the ones nanoqwen served, answers included).
+`--compare vllm` and `--compare llamacpp` run them through vLLM (its CPU build on a CPU)
+and llama.cpp (on the same `.gguf` file), each in a process of its own, started with the
+Python of the environment it is installed in (`--peer-python`; `bench_peers.py`), greedy
+with EOS ignored, and report throughput, TTFT, TPOT and the share of nanoqwen's greedy
+tokens each matched.
 `--rounds N` repeats both, alternating: every round builds a fresh engine, runs the
 workload, frees it, then runs transformers. A machine that gets busier or quieter over the
 minutes then disturbs both alike; the report shows the median round of each, and the
@@ -94,8 +99,20 @@ from nanoqwen.weights.gguf import from_pretrained_arguments
 from nanoqwen.weights.loader import runtime_quantization
 from nanoqwen.weights.quantization import weight_memory_bytes
 from tools.bench_baseline import run_transformers
-from tools.bench_decode import Observers, PhaseTimer, PoolTooSmall, measure_decode_overhead
+from tools.bench_decode import (
+    Observers,
+    PhaseTimer,
+    PoolTooSmall,
+    measure_decode_overhead,
+)
 from tools.bench_floor import FloorRecorder, measure_floor
+from tools.bench_peers import (
+    PEERS,
+    PeerUnavailable,
+    check_peer,
+    run_peer,
+    token_agreement,
+)
 from tools.bench_report import print_report
 from tools.checkpoints import PRESETS, random_checkpoint
 
@@ -238,6 +255,7 @@ class RequestTiming:
     prompt_token_ids: list[int]
     output_len: int  # requested
     priority: int
+    position: tuple[int, int]  # (conversation, turn): where its output is in `outputs`
     submitted: float
     submitted_step: int
     first_token: float | None = None
@@ -314,7 +332,7 @@ class SessionDriver:
         priority = spec.priority if self._use_priorities else 0
         request_id = self.engine.add_request(prompt, params, priority=priority)
         self.records[request_id] = RequestTiming(
-            prompt, spec.output_len, spec.priority, time.perf_counter(), step
+            prompt, spec.output_len, spec.priority, (session, turn), time.perf_counter(), step
         )
         self._position[request_id] = (session, turn)
 
@@ -541,6 +559,43 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def find_peer(name: str, python: str | None, model_dir: str) -> str:
+    try:
+        return check_peer(name, python, model_dir)
+    except PeerUnavailable as error:
+        raise click.UsageError(str(error)) from None
+
+
+def run_peer_round(
+    name: str, python: str, settings: Metrics, reference: EngineRun, console: Console,
+    description: str,
+) -> Metrics:
+    """The requests of nanoqwen's first round through peer `name`: its figures, as
+    nanoqwen's have them, and the share of nanoqwen's greedy tokens it matched."""
+    records = reference.records
+    requests = [(record.prompt_token_ids, record.output_len) for record in records]
+    longest = max(len(prompt) + output_len for prompt, output_len in requests)
+    with console.status(f"{description}: {len(requests)} requests"):
+        try:
+            output = run_peer(
+                name, python, settings["model_dir"], settings["dtype"], settings["threads"],
+                longest, requests,
+            )
+        except PeerUnavailable as error:
+            raise click.ClickException(str(error)) from None
+    input_tokens = sum(len(prompt) for prompt, _ in requests)
+    output_tokens = sum(len(tokens) for tokens in output["output_token_ids"])
+    ours = [reference.outputs[record.position] for record in records]
+    return {
+        "engine": output["engine"],
+        "version": output["version"],
+        **throughput(len(requests), input_tokens, output_tokens, output["wall_s"]),
+        "ttft_ms": latency_ms(output["ttft_s"]),
+        "tpot_ms": latency_ms(output["tpot_s"]),
+        "agreement": token_agreement(ours, output["output_token_ids"]),
+    }
+
+
 def run_baseline(
     settings: Metrics,
     requests: Sequence[tuple[list[int], int]],
@@ -567,6 +622,10 @@ def run_baseline(
 
 
 # --------------------------------------------------------------------------- command line
+# What the report and the JSON call the engine `--compare` runs.
+BASELINE_NAMES = {"hf": "transformers", **{name: peer.label for name, peer in PEERS.items()}}
+
+
 def resolve_model(model: str | None, random_weights: str | None) -> str:
     if (model is None) == (random_weights is None):
         raise click.UsageError("give exactly one of --model and --random-weights")
@@ -689,6 +748,7 @@ def assemble_result(
     settings: Metrics,
     rounds_by_policy: dict[str, list[Metrics]],
     baseline_rounds: list[Metrics] | None,
+    baseline_name: str | None,
     decode: Metrics | None,
     plain_rounds: list[Metrics] | None = None,
     floor_rounds: list[Metrics] | None = None,
@@ -706,7 +766,7 @@ def assemble_result(
         }
     rounds: Metrics = {"nanoqwen": engine_rounds}
     for name, others, ratio_name in (
-        ("transformers", baseline_rounds, "speedup"),
+        (baseline_name, baseline_rounds, "speedup"),
         ("no_speculation", plain_rounds, "speculation_speedup"),
         ("full_precision", full_precision_rounds, "quantization_speedup"),
     ):
@@ -754,9 +814,16 @@ def assemble_result(
 )
 @click.option(
     "--compare",
-    type=click.Choice(["hf"]),
+    type=click.Choice(["hf", *PEERS]),
     default=None,
-    help="Also run transformers' generate, in batches of --max-num-seqs.",
+    help="Also run the same requests through transformers' generate (hf, in batches of "
+         "--max-num-seqs), vLLM or llama.cpp (on a .gguf --model).",
+)
+@click.option(
+    "--peer-python",
+    default=None,
+    metavar="PATH",
+    help="The python of the environment vLLM or llama.cpp is installed in (default: this one).",
 )
 @click.option(
     "--rounds",
@@ -802,6 +869,7 @@ def main(
     turns: int,
     temperature: float,
     compare: str | None,
+    peer_python: str | None,
     rounds: int,
     decode_batch: int | None,
     floor: bool,
@@ -823,6 +891,9 @@ def main(
     console, status_console = Console(), Console(stderr=True)
     with status_console.status("preparing the model"):
         model_dir = resolve_model(model, random_weights)
+    if compare in PEERS:
+        with status_console.status(f"looking for {PEERS[compare].label}"):
+            peer_python = find_peer(compare, peer_python, model_dir)
     options = pop_engine_options(engine_option_values)
     policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
@@ -878,6 +949,11 @@ def main(
                 requests = [(record.prompt_token_ids, record.output_len) for record in records]
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
+            elif compare in PEERS:
+                description = f"{PEERS[compare].label}, round {index + 1}"
+                peer = run_peer_round(compare, peer_python, settings, runs[policies[0]][0],
+                                      status_console, description)
+                baseline_rounds.append(peer)
     rounds_by_policy = {
         policy: [summarize_engine_run(run) for run in policy_runs]
         for policy, policy_runs in runs.items()
@@ -892,7 +968,7 @@ def main(
         figures["agreement"] = agreement(run, full)
     floor_rounds = [run.floor for run in runs[policies[-1]] if run.floor is not None] or None
     result = assemble_result(
-        settings, rounds_by_policy, baseline_rounds or None, decode,
+        settings, rounds_by_policy, baseline_rounds or None, BASELINE_NAMES.get(compare), decode,
         companion_rounds.get("no_speculation"), floor_rounds,
         companion_rounds.get("full_precision"),
     )

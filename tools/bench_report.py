@@ -18,6 +18,8 @@ from tools.bench_floor import SPLIT
 
 Metrics = dict[str, Any]
 MIB = 2**20
+# What the engine `--compare` ran is called in the result.
+BASELINE_LABELS = ("transformers", "vLLM", "llama.cpp")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -46,9 +48,10 @@ def print_report(console: Console, result: Metrics) -> None:
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
         f"scheduling, median of {settings['rounds']} round(s)"
     )
-    console.print(
-        _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
-    )
+    baseline = next((name for name in BASELINE_LABELS if name in result), None)
+    console.print(_summary_table(
+        result["nanoqwen"], baseline, result.get(baseline), result.get("speedup")
+    ))
     if "no_speculation" in result:
         console.print(_speculation_table(result))
     if "full_precision" in result:
@@ -62,18 +65,26 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_decode_table(result["decode"]))
 
 
-def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | None) -> Table:
+def _summary_table(
+    engine: Metrics, name: str | None, baseline: Metrics | None, speedup: float | None
+) -> Table:
+    """nanoqwen's figures, beside those of the engine `--compare` ran (`name`), if any."""
     table = Table(title="Throughput and latency")
     table.add_column("metric")
-    for column in ("nanoqwen", *(("transformers", "ratio") if baseline is not None else ())):
+    for column in ("nanoqwen", *((name, "ratio") if baseline is not None else ())):
         table.add_column(column, justify="right")
     for label, key, fmt in THROUGHPUT_ROWS:
         row = [label, fmt.format(engine[key])]
         if baseline is not None:
             row += [fmt.format(baseline[key]), f"{speedup:.2f}x" if key == "output_tok_s" else ""]
         table.add_row(*row)
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
-        table.add_row(f"{name} P50 / P95 (ms)", _p50_p95(engine[key]))
+    for label, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
+        row = [f"{label} P50 / P95 (ms)", _p50_p95(engine[key])]
+        if baseline is not None:
+            row += [_p50_p95(baseline[key]) if key in baseline else "", ""]
+        table.add_row(*row)
+    if baseline is not None and "agreement" in baseline:
+        table.add_row("greedy tokens as nanoqwen's", "", f"{baseline['agreement']:.1%}", "")
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
