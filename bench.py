@@ -71,13 +71,18 @@ import gc
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+
+import nanoqwen  # noqa: F401, I001 (first: it sets OpenMP's wait policy before torch loads)
 import torch
 from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
@@ -105,7 +110,9 @@ from tools.bench_decode import (
     PoolTooSmall,
     measure_decode_overhead,
 )
-from tools.bench_floor import FloorRecorder, measure_floor
+from tools.bench_floor import (
+    FloorRecorder, bandwidth_floor, bytes_read_per_token, measure_bandwidth, measure_floor,
+)
 from tools.bench_peers import (
     PEERS,
     PeerUnavailable,
@@ -278,6 +285,7 @@ class EngineRun:
     request_steps: int  # (request, step) pairs that gave the request tokens
     speculation: SpeculationStats
     weight_bytes: int
+    read_bytes_per_token: int  # the weights one decode step reads (`bench_floor.py`)
     # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
     outputs: dict[tuple[int, int], list[int]]
     floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
@@ -387,6 +395,7 @@ def run_engine(
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
         )),
         weight_bytes=weight_memory_bytes(engine.runner.model),
+        read_bytes_per_token=bytes_read_per_token(engine.runner.model),
         outputs=driver.outputs,
     )
 
@@ -567,8 +576,8 @@ def find_peer(name: str, python: str | None, model_dir: str) -> str:
 
 
 def run_peer_round(
-    name: str, python: str, settings: Metrics, reference: EngineRun, console: Console,
-    description: str,
+    name: str, python: str, dtype: str, settings: Metrics, reference: EngineRun,
+    console: Console, description: str,
 ) -> Metrics:
     """The requests of nanoqwen's first round through peer `name`: its figures, as
     nanoqwen's have them, and the share of nanoqwen's greedy tokens it matched."""
@@ -578,8 +587,8 @@ def run_peer_round(
     with console.status(f"{description}: {len(requests)} requests"):
         try:
             output = run_peer(
-                name, python, settings["model_dir"], settings["dtype"], settings["threads"],
-                longest, requests,
+                name, python, settings["model_dir"], dtype, settings["threads"], longest,
+                requests,
             )
         except PeerUnavailable as error:
             raise click.ClickException(str(error)) from None
@@ -589,6 +598,7 @@ def run_peer_round(
     return {
         "engine": output["engine"],
         "version": output["version"],
+        "dtype": dtype if name == "vllm" else "the file's",
         **throughput(len(requests), input_tokens, output_tokens, output["wall_s"]),
         "ttft_ms": latency_ms(output["ttft_s"]),
         "tpot_ms": latency_ms(output["tpot_s"]),
@@ -652,6 +662,18 @@ def load_engine(
     else:
         engine.observe(timer)
     return engine, timer, recorder
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """`count` processes that keep a core busy each, for as long as the block runs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def check_workload(workload: Workload) -> None:
@@ -826,6 +848,12 @@ def assemble_result(
     help="The python of the environment vLLM or llama.cpp is installed in (default: this one).",
 )
 @click.option(
+    "--peer-dtype",
+    default=None,
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="vLLM's dtype (default: nanoqwen's).",
+)
+@click.option(
     "--rounds",
     default=1,
     type=click.IntRange(min=1),
@@ -841,6 +869,13 @@ def assemble_result(
     "--floor",
     is_flag=True,
     help="Also replay each round's token schedule through the dense layers alone.",
+)
+@click.option(
+    "--background-load",
+    default=0,
+    type=click.IntRange(min=0),
+    help="Busy processes to run beside the engines while they are timed: how an engine "
+         "fares when it shares its cores.",
 )
 @click.option(
     "--threads",
@@ -870,9 +905,11 @@ def main(
     temperature: float,
     compare: str | None,
     peer_python: str | None,
+    peer_dtype: str | None,
     rounds: int,
     decode_batch: int | None,
     floor: bool,
+    background_load: int,
     threads: int | None,
     json_path: Path | None,
     **engine_option_values: Any,
@@ -911,17 +948,20 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
+        "background_load": background_load,
         "scheduling_policies": list(policies),
         **engine_settings(engine, threads),
     }
     engine.shutdown()
     del engine
     free_memory()
+    with status_console.status("measuring the memory bandwidth"):
+        bandwidth = measure_bandwidth(torch.device(settings["device"]))
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     companion_runs: dict[str, list[EngineRun]] = {name: [] for name in companions}
     baseline_rounds: list[Metrics] = []
     decode = None
-    with make_progress(status_console) as progress:
+    with make_progress(status_console) as progress, busy_processes(background_load):
         bench = Bench(model_dir, token_ids, sessions, temperature, floor, progress, status_console)
         for index in range(rounds):
             # Each round has a fresh engine per policy (and one per companion: without
@@ -951,8 +991,8 @@ def main(
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
             elif compare in PEERS:
                 description = f"{PEERS[compare].label}, round {index + 1}"
-                peer = run_peer_round(compare, peer_python, settings, runs[policies[0]][0],
-                                      status_console, description)
+                peer = run_peer_round(compare, peer_python, peer_dtype or settings["dtype"],
+                                      settings, runs[policies[0]][0], status_console, description)
                 baseline_rounds.append(peer)
     rounds_by_policy = {
         policy: [summarize_engine_run(run) for run in policy_runs]
@@ -967,11 +1007,16 @@ def main(
     ):
         figures["agreement"] = agreement(run, full)
     floor_rounds = [run.floor for run in runs[policies[-1]] if run.floor is not None] or None
+    median = median_round(rounds_by_policy[policies[-1]])
+    batch_one = bandwidth_floor(
+        runs[policies[-1]][0].read_bytes_per_token, bandwidth, median["tpot_ms"]["p50"]
+    )
     result = assemble_result(
         settings, rounds_by_policy, baseline_rounds or None, BASELINE_NAMES.get(compare), decode,
         companion_rounds.get("no_speculation"), floor_rounds,
         companion_rounds.get("full_precision"),
     )
+    result["bandwidth_floor"] = batch_one
     print_report(console, result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))

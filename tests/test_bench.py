@@ -147,6 +147,16 @@ def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) ->
     assert decode["schedule_prepare_ms"] == pytest.approx(
         decode["phases_ms_per_step"]["schedule"] + decode["phases_ms_per_step"]["prepare"]
     )
+    # The batch-1 floor: every weight read once per token, at the measured bandwidth.
+    floor = result["bandwidth_floor"]
+    model = LLM(qwen3_dir, device="cpu").engine.runner.model  # tied: the embedding is the head
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert floor["bytes_per_token"] == weights and floor["bandwidth_gb_s"] > 0
+    assert floor["floor_ms_per_token"] == pytest.approx(
+        floor["bytes_per_token"] / (floor["bandwidth_gb_s"] * 1e9) * 1000
+    )
+    assert floor["tpot_ms"] == result["nanoqwen"]["tpot_ms"]["p50"]
+    assert floor["ratio"] == pytest.approx(floor["tpot_ms"] / floor["floor_ms_per_token"])
 
 
 def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
@@ -459,3 +469,23 @@ def test_peer_agreement_counts_tokens_before_each_first_difference() -> None:
 
     assert token_agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
     assert token_agreement([[1, 2]], [[1]]) == 1 / 2  # a peer that stopped early
+
+
+def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
+    from tools.bench_floor import bytes_read_per_token
+
+    model = LLM(qwen2_dir, device="cpu").engine.runner.model
+    embedding = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = embedding.shape[1] * embedding.element_size()
+    assert bytes_read_per_token(model) == weights - embedding.numel() * embedding.element_size() + row
+
+
+def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path, qwen3_dir: str) -> None:
+    import psutil
+
+    spec = workload(num_seqs=2)
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
+    assert result["settings"]["background_load"] == 1
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and "while True: pass" in " ".join(p.info["cmdline"])]

@@ -47,6 +47,8 @@ def print_report(console: Console, result: Metrics) -> None:
         f"{settings['tensor_parallel_size']} rank(s)), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
         f"scheduling, median of {settings['rounds']} round(s)"
+        + (f", {settings['background_load']} busy process(es) beside it"
+           if settings.get("background_load") else "")
     )
     baseline = next((name for name in BASELINE_LABELS if name in result), None)
     console.print(_summary_table(
@@ -61,6 +63,8 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_policy_table(result["policies"]))
     if "floor" in result:
         console.print(_floor_table(result["floor"]))
+    if "bandwidth_floor" in result:
+        console.print(_bandwidth_table(result["bandwidth_floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
@@ -223,4 +227,16 @@ def _decode_table(decode: Metrics) -> Table:
     table.add_row("forward pass alone", f"{decode['forward_ms']:.2f}")
     table.add_row("engine step / forward", f"{decode['overhead_ratio']:.3f}x")
     table.add_row("schedule + prepare inputs", f"{decode['schedule_prepare_ms']:.3f}")
+    return table
+
+
+def _bandwidth_table(floor: Metrics) -> Table:
+    table = Table(title="Batch-1 floor: reading every weight once per token")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("memory bandwidth, measured (GB/s)", f"{floor['bandwidth_gb_s']:.1f}")
+    table.add_row("weight bytes read per token (MB)", f"{floor['bytes_per_token'] / 1e6:.0f}")
+    table.add_row("floor per token (ms)", f"{floor['floor_ms_per_token']:.1f}")
+    table.add_row("TPOT P50 (ms)", f"{floor['tpot_ms']:.1f}")
+    table.add_row("TPOT over the floor", f"{floor['ratio']:.2f}x")
     return table

@@ -17,12 +17,14 @@ llama_cpp are imported: nothing of nanoqwen.
 """
 
 import json
+import os
 import sys
 import time
 
 
 def main() -> None:
     job = json.load(sys.stdin)
+    results = result_stream()
     import llama_cpp
 
     llm = llama_cpp.Llama(
@@ -41,7 +43,7 @@ def main() -> None:
         "engine": "llama.cpp", "version": llama_cpp.__version__,
         "wall_s": time.perf_counter() - start, "ttft_s": ttft, "tpot_s": tpot,
         "output_token_ids": outputs,
-    }, sys.stdout)
+    }, results)
 
 
 def generate(llm, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
@@ -56,6 +58,16 @@ def generate(llm, prompt: list[int], max_tokens: int) -> tuple[float, float, lis
         tokens.append(int(token))
         llm.eval([token])
     return first, time.perf_counter(), tokens
+
+
+
+def result_stream():
+    """Where the result goes: the original stdout, whose file descriptor is then pointed at
+    stderr, so that whatever the engine prints (its logs, its C++ code) stays out of it."""
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return results
 
 
 if __name__ == "__main__":

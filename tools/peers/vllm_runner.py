@@ -22,6 +22,7 @@ import time
 
 def main() -> None:
     job = json.load(sys.stdin)
+    results = result_stream()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step it in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
@@ -57,7 +58,17 @@ def main() -> None:
         "ttft_s": [first[r] - start for r in order],
         "tpot_s": [(last[r] - first[r]) / max(1, len(tokens[r]) - 1) for r in order],
         "output_token_ids": [tokens[r] for r in order],
-    }, sys.stdout)
+    }, results)
+
+
+
+def result_stream():
+    """Where the result goes: the original stdout, whose file descriptor is then pointed at
+    stderr, so that whatever the engine prints (its logs, its C++ code) stays out of it."""
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return results
 
 
 if __name__ == "__main__":
