@@ -716,7 +716,7 @@ def companion_options(
     if config.speculative:
         plain = {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
         companions["no_speculation"] = ("without speculation", plain)
-    weights = runtime_quantization(config.quantization, engine.checkpoint)
+    weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     if weights is not None or config.kv_cache_dtype != "auto":
         full = {**options, "quantization": "none", "kv_cache_dtype": "auto"}
         companions["full_precision"] = ("at full precision", full)
@@ -735,7 +735,7 @@ def run_companions(
 
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
-    weights = runtime_quantization(config.quantization, engine.checkpoint)
+    weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),

@@ -412,7 +412,8 @@ def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir:
 def test_agreement_counts_tokens_before_each_first_difference() -> None:
     def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
         return bench.EngineRun(
-            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, weight_bytes=0, outputs=outputs
+            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, weight_bytes=0, read_bytes_per_token=0,
+            outputs=outputs,
         )
 
     reference = run({(0, 0): [1, 2, 3, 4], (1, 0): [5, 6], (1, 1): [7, 8]})

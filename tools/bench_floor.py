@@ -131,7 +131,7 @@ def replay_floor(model: QwenForCausalLM, steps: Sequence[StepShape]) -> float:
     activations are not computed), and every call goes through the model's own modules.
     """
     config = model.config
-    weight = model.lm_head.weight
+    weight = model.model.norm.weight  # the model's dtype and device (not the head's: int8?)
     max_tokens = max((step.num_tokens for step in steps), default=0)
     generator = torch.Generator(device="cpu").manual_seed(0)
 
@@ -217,7 +217,7 @@ def bytes_read_per_token(model: QwenForCausalLM) -> int:
     an embedding that is not also the lm_head, only one row."""
     embedding = model.model.embed_tokens.weight
     total = weight_memory_bytes(model)
-    if model.lm_head.weight is embedding:
+    if getattr(model.lm_head, "weight", None) is embedding:
         return total
     return total - tensor_bytes(embedding) + tensor_bytes(embedding[0])
 
