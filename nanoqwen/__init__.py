@@ -16,6 +16,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from nanoqwen.engine import LLMEngine  # noqa: E402 (torch loads after the policy is set)
 from nanoqwen.llm import LLM  # noqa: E402
 from nanoqwen.outputs import RequestOutput, StepError  # noqa: E402
+from nanoqwen.sampling.grammar import StructuredOutput  # noqa: E402
+from nanoqwen.sampling.logprobs import TokenLogprobs  # noqa: E402
 from nanoqwen.sampling.params import SamplingParams  # noqa: E402
+from nanoqwen.sampling.pooling import PoolingParams  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StepError"]
+__all__ = [
+    "LLM", "LLMEngine", "PoolingParams", "RequestOutput", "SamplingParams", "StepError",
+    "StructuredOutput", "TokenLogprobs",
+]

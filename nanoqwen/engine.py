@@ -14,6 +14,12 @@ progress: the new text (`delta_text`, safe to stream) plus everything so far. Fi
 requests release their pages, leaving their full pages to the prefix cache so a
 follow-up turn can reuse them.
 
+A request may ask for a prompt's embedding instead of a continuation (`PoolingParams`,
+`sampling/pooling.py`): it is scheduled like the others and finishes once its prompt is
+computed. A structured-output request gets its grammar compiled (`sampling/grammar.py`;
+`self.grammars`, which a server calls first on its own threads, keeps compiled grammars
+for reuse).
+
 Start-up builds the pieces in dependency order: the checkpoint and tokenizer; the other
 ranks of a split model, if any (`parallel/`); the runner (the model on its device) and
 the proposer's own model, if any; then the KV cache, sized from what the runners measure
@@ -47,7 +53,9 @@ from nanoqwen.runner.runner import (
     start_runner,
 )
 from nanoqwen.runner.step_inputs import STEP_WIRE, StepInputs
+from nanoqwen.sampling.grammar import GrammarCompiler
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 from nanoqwen.sampling.sampler import make_generator
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
@@ -59,6 +67,9 @@ from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
 
 Prompt = str | list[int]
+# How an embedding request is run: its one "sampled" token is never kept (and with room
+# for one token only, its row carries no draft tokens either).
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,9 @@ class LLMEngine:
             config.scheduling_policy, config.priority_aging_steps,
         )
         self.observer: StepObserver = Unobserved()
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -135,19 +149,28 @@ class LLMEngine:
     def add_request(
         self,
         prompt: Prompt | EncodedPrompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
         """Queue a prompt; returns its id. A lower `priority` is served sooner.
 
-        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`).
+        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`);
+        `PoolingParams` ask for the prompt's embedding instead of a continuation.
         Bad input raises a `ValueError` naming what is wrong, and nothing is queued.
         """
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            if self.workers is not None:
+                raise ValueError("embeddings need one rank: the model is split across several")
+            params = EMBEDDING_SAMPLING
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.with_defaults(self.sampling_defaults)
+        params.check_token_ids(self.model_config.vocab_size)
+        spec = params.structured_output
+        grammar = self.grammars.matcher(spec) if spec is not None else None
         check_priority(priority, self.config.scheduling_policy)
         if not isinstance(prompt, EncodedPrompt):
             prompt = self.encode_prompt(prompt)
@@ -162,6 +185,8 @@ class LLMEngine:
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
             priority=priority,
+            grammar=grammar,
+            pooling=pooling,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -248,6 +273,8 @@ class LLMEngine:
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
         """Append tokens one at a time; the first that ends the request drops the rest."""
+        if request.pooling is not None:  # its prompt is computed: the embedding is ready
+            return self._finish(request, "stop")
         delta = ""
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
@@ -295,6 +322,11 @@ class LLMEngine:
             finished=request.status is Status.FINISHED,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
+            prompt_logprobs=(
+                None if request.prompt_logprobs is None else [None, *request.prompt_logprobs]
+            ),
+            embedding=None if request.embedding is None else request.embedding.tolist(),
         )
 
     def observe(self, observer: StepObserver) -> None:

@@ -3,8 +3,9 @@
 `LLMEngine` (`engine.py`) is driven one step at a time, which is what a server needs. A
 script wants less: `generate` queues many prompts and steps the engine until all are done,
 returning outputs in prompt order; `chat` renders conversations through the chat template
-first; `stream` yields one request's deltas as they are produced. Bad input in a batch
-queues nothing: the prompts queued before it are taken back.
+first; `stream` yields one request's deltas as they are produced; `embed` returns each
+prompt's embedding. Bad input in a batch queues nothing: the prompts queued before it are
+taken back.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 from nanoqwen.engine import LLMEngine, Prompt
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 from nanoqwen.scheduling.waiting_queue import priority_list
 
-Message = dict[str, str]
+Message = dict[str, Any]
+Params = SamplingParams | PoolingParams
 
 
 class LLM:
@@ -30,7 +33,7 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        params: Params | Sequence[Params] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`).
@@ -62,14 +65,42 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         enable_thinking: bool | None = None,
         priority: Sequence[int] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """`tools`: OpenAI function definitions, shown to the model by its template (its
+        replies may then hold `<tool_call>` blocks). `continue_final_message`: each
+        conversation ends with the start of the assistant's reply, which it continues."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # one conversation
-        prompts = [self.chat_prompt(c, enable_thinking) for c in conversations]
+        prompts = [
+            self.chat_prompt(c, enable_thinking, tools, continue_final_message)
+            for c in conversations
+        ]
         return self.generate(prompts, params, priority)
 
-    def chat_prompt(self, messages: list[Message], enable_thinking: bool | None = None) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, enable_thinking=enable_thinking)
+    def chat_prompt(
+        self,
+        messages: list[Message],
+        enable_thinking: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(
+            messages, enable_thinking=enable_thinking, tools=tools,
+            add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message,
+        )
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: PoolingParams | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (`output.embedding`): its last token's final hidden
+        state, unit length unless `PoolingParams(normalize=False)` (`pooling.py`)."""
+        return self.generate(prompts, params or PoolingParams(), priority)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
@@ -118,10 +149,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
+def _as_params_list(params: Params | Sequence[Params] | None, count: int) -> list[Params]:
+    if params is None or isinstance(params, (SamplingParams, PoolingParams)):
         return [params or SamplingParams()] * count
     params = list(params)
     if len(params) != count:

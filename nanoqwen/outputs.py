@@ -1,13 +1,16 @@
 """What a step hands back: one `RequestOutput` per request that moved, or a `StepError`.
 
 A request's output carries both its whole text so far and what changed in this step
-(`delta_text`, `delta_token_ids`): a script reads the last one, a stream sends the deltas.
+(`delta_text`, `delta_token_ids`): a script reads the last one, a stream sends the deltas
+(and the last `len(delta_token_ids)` entries of `logprobs`, when it asked for them).
 `finished` is set once, on the last output, with the reason the request ended.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from nanoqwen.sampling.logprobs import TokenLogprobs
 
 
 @dataclass
@@ -23,6 +26,12 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache (0 until admitted)
+    # What the request's params asked for besides text (`sampling/logprobs.py`): one entry
+    # per generated token (in `token_ids`' order), and one per prompt token (None for the
+    # first, which nothing predicts).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (`pooling.py`)
 
 
 class StepError(RuntimeError):

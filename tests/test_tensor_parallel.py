@@ -169,6 +169,30 @@ def test_same_tokens_as_one_device(
     assert stats["pages_used"] == 0
 
 
+def test_logprobs_match_one_device(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
+    """Prompt rows to score travel with the sampled rows to every rank; rank 0 scores them.
+    Embeddings are refused: a pooled step would run eagerly while other ranks might not."""
+    model_dir, size = setup
+    prompts = workload()[0][:3]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    expected = one_device(model_dir).generate(prompts, params)
+    split = engines.get(model_dir, size)
+    outputs = split.generate(prompts, params)
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.token_ids
+        pairs = list(zip(got.logprobs + got.prompt_logprobs[1:],
+                         want.logprobs + want.prompt_logprobs[1:]))
+        assert len(pairs) == len(got.token_ids) + len(got.prompt_token_ids) - 1
+        assert [a.top[0][0] for a, _ in pairs] == [b.top[0][0] for _, b in pairs]
+        assert [a.logprob for a, _ in pairs] == pytest.approx([b.logprob for _, b in pairs],
+                                                              abs=1e-4)
+    with pytest.raises(ValueError, match="embeddings need one rank"):
+        split.embed("hello")
+
+
 def test_first_step_logits_match_one_device(
     setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
 ) -> None:
@@ -400,7 +424,8 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
         if isinstance(mine, torch.Tensor):
             assert torch.equal(mine, theirs), field
         else:
-            assert field in ("sampled_requests", "num_sampled_rows", "bucket"), field
+            assert field in ("sampled_requests", "num_sampled_rows", "prompt_rows", "pooled_rows",
+                             "bucket"), field
     assert received.bucket == inputs.bucket == 2
     for field in AttentionMetadata.__dataclass_fields__:
         mine, theirs = getattr(inputs.metadata, field), getattr(received.metadata, field)

@@ -155,11 +155,19 @@ class QwenForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run `[T]` tokens through the decoder; return logits `[len(sample_rows), vocab]`
         (split across ranks: this rank's block of the vocabulary)."""
+        return self.compute_logits(self.hidden_states(input_ids, metadata, backend)[sample_rows])
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """The last decoder layer's output for every token, `[T, hidden]` (before the final
+        norm, which `compute_logits` applies)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.rotary(metadata.positions, metadata, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, backend)
-        return self.compute_logits(hidden[sample_rows])
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] == 0:

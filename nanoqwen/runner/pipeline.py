@@ -16,6 +16,12 @@ runs.
 4. **Choose tokens**: each sampled request's new tokens from its rows of logits, by a
    `TokenChooser` (one sampled token each, unless the engine plugs in a verifier of
    proposed tokens).
+
+Two kinds of request want more of a step than its next token. Prompt rows a request asked
+to score have their logits computed after the sampled rows, and are scored before the
+tokens are chosen (`sampling/logprobs.py`); a step that ends an embedding request's prompt
+runs eagerly, never from a graph, and keeps that row's final hidden state
+(`sampling/pooling.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
 from nanoqwen.runner.step_inputs import StepInputs, build_step_inputs
+from nanoqwen.sampling.logprobs import score_prompts
+from nanoqwen.sampling.pooling import record_embeddings
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
@@ -65,21 +73,43 @@ class StepPipeline:
     def prepare(self, batch: ScheduledBatch, bucket: int | None = None) -> StepInputs:
         """The batch as flat tensors, padded to its graph bucket (or to `bucket`)."""
         if bucket is None:
-            bucket = self.graphs.bucket_for(batch) if self.graphs is not None else 0
+            pools = any(request.pooling is not None for request in batch.requests)
+            bucket = self.graphs.bucket_for(batch) if self.graphs and not pools else 0
         return build_step_inputs(batch, self.page_size, self.layout_device, pad_to=bucket)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Logits for the sampled rows, `[S, vocab]` (None on ranks other than 0)."""
-        if inputs.bucket:
+        if inputs.pooled_rows:
+            logits = self._forward_pooling(inputs)
+        elif inputs.bucket:
             logits = self.graphs.forward(inputs)
         else:
             self.backend.plan(inputs.metadata)
             logits = self.model(inputs.input_ids, inputs.metadata, self.backend, inputs.sample_rows)
         return self.join_logits(logits)
 
-    def sample(self, logits: torch.Tensor | None, inputs: StepInputs) -> list[tuple[Request, list[int]]]:
-        """Every sampled request with its new tokens (on rank 0; other ranks sample nothing)."""
-        if logits is None or not inputs.sampled_requests:
+    @torch.inference_mode()
+    def _forward_pooling(self, inputs: StepInputs) -> torch.Tensor:
+        """An eager forward pass that also hands each embedding request its row's final
+        hidden state (graphs keep only logits)."""
+        self.backend.plan(inputs.metadata)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.metadata, self.backend)
+        rows = hidden[inputs.sample_rows]
+        record_embeddings(self.model.model.norm(rows), inputs.pooled_rows)
+        return self.model.compute_logits(rows)
+
+    def sample(
+        self, logits: torch.Tensor | None, inputs: StepInputs
+    ) -> list[tuple[Request, list[int]]]:
+        """Every sampled request with its new tokens (on rank 0; other ranks sample nothing),
+        after scoring the prompt rows that follow the sampled ones."""
+        if logits is None:
+            return []
+        if inputs.prompt_rows:
+            num_sampled = sum(inputs.num_sampled_rows)
+            score_prompts(logits[num_sampled:], inputs.prompt_rows)
+            logits = logits[:num_sampled]
+        if not inputs.sampled_requests:
             return []
         tokens = self.choose_tokens(self.sampler, logits, inputs.sampled_requests)
         return list(zip(inputs.sampled_requests, tokens))

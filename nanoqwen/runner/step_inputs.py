@@ -7,7 +7,15 @@ the page table of `attention/base.py` saying whose keys live where, the slot eac
 to, and the rows whose logits get sampled. A request samples the rows from its last
 accepted token on: one row when it is decoding or finishing its prompt, none for a
 prefill chunk in the middle of a prompt, and `1 + k` when it carries `k` proposed tokens
-to verify: the logits after each say whether it was right.
+to verify: the logits after each say whether it was right. Two kinds of request want
+more of the step than a next token, and say so here:
+
+* one asking for prompt logprobs (`sampling/logprobs.py`) has logits computed for the
+  rows of its prompt chunk as well (`prompt_rows`): they follow the sampled rows in
+  `sample_rows`;
+* an embedding request (`sampling/pooling.py`) has its one sampled row pooled
+  (`pooled_rows`) instead of sampled for text.
+
 `build_step_inputs` makes that `StepInputs`.
 
 The lists are built on the host, where the page tables live, and copied to the device in
@@ -22,6 +30,7 @@ position 0 on the pool's scratch page (`memory/page_allocator.py`), and its logi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +38,7 @@ import torch
 from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.memory.page_allocator import SCRATCH_PAGE
 from nanoqwen.parallel.step_broadcast import WireFormat, WireStep
+from nanoqwen.sampling.logprobs import PromptRows
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
 
@@ -52,9 +62,15 @@ class StepInputs:
 
     input_ids: torch.Tensor  # int64 [T]
     metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # int64 [S]
-    sampled_requests: list[Request]  # whose logits `sample_rows` are, in order
+    # int64 [S + P]: the rows logits are computed for. The first S are sampled, the
+    # other P score prompt tokens (`prompt_rows`).
+    sample_rows: torch.Tensor
+    sampled_requests: list[Request]  # whose logits the first S rows are, in order
     num_sampled_rows: list[int]  # how many consecutive rows each of them has
+    # Rank 0's alone, like the two above: whose the last P rows of `sample_rows` are, and
+    # (sampled row, embedding request) for each row to pool.
+    prompt_rows: list[PromptRows] = dataclasses.field(default_factory=list)
+    pooled_rows: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
     # The decode batch size this step is padded to, replayed through the static buffers
     # (a CUDA graph, where there are graphs); 0: the step runs eagerly. Decided once, when
     # the step is laid out.
@@ -79,7 +95,8 @@ class StepInputs:
             qo_indptr_host=tensors["qo_indptr"], kv_indptr_host=tensors["kv_indptr"],
             kv_last_page_len_host=tensors["kv_last_page_len"],
         )
-        return cls(tensors["input_ids"], metadata, tensors["sample_rows"], [], [], ints["bucket"])
+        return cls(tensors["input_ids"], metadata, tensors["sample_rows"], [], [],
+                   bucket=ints["bucket"])
 
     def to(self, device: torch.device) -> StepInputs:
         """The step's tensors on `device` (the host copies of the page table stay)."""
@@ -104,6 +121,7 @@ class StepInputsBuilder:
         self.kv_indices: list[int] = []
         self.last_page_len: list[int] = []
         self.sample_rows: list[int] = []
+        self.prompt_rows: list[int] = []
         self.max_q_len = self.max_kv_len = 0
 
     def add_row(self, token_ids: list[int], start: int, pages: list[int], num_sampled: int) -> None:
@@ -132,6 +150,12 @@ class StepInputsBuilder:
         end_row = self.qo_indptr[-1]
         self.sample_rows.extend(range(end_row - num_sampled, end_row))
 
+    def add_prompt_rows(self, start: int, first: int, count: int) -> None:
+        """Compute logits for positions `first, ...` (`count` of them) of the row just added,
+        whose tokens start at position `start`."""
+        first_row = self.qo_indptr[-2] + first - start
+        self.prompt_rows.extend(range(first_row, first_row + count))
+
     def add_padding_row(self) -> None:
         self.add_row([PADDING_ROW_TOKEN_ID], 0, [SCRATCH_PAGE], num_sampled=0)
 
@@ -140,6 +164,8 @@ class StepInputsBuilder:
         device: torch.device,
         sampled_requests: list[Request],
         num_sampled_rows: list[int],
+        prompt_rows: Sequence[PromptRows] = (),
+        pooled_rows: Sequence[tuple[int, Request]] = (),
         bucket: int = 0,
     ) -> StepInputs:
         def on_host(values: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -168,9 +194,11 @@ class StepInputsBuilder:
         return StepInputs(
             input_ids=on_device(on_host(self.input_ids, torch.int64)),
             metadata=metadata,
-            sample_rows=on_device(on_host(self.sample_rows, torch.int64)),
+            sample_rows=on_device(on_host(self.sample_rows + self.prompt_rows, torch.int64)),
             sampled_requests=sampled_requests,
             num_sampled_rows=num_sampled_rows,
+            prompt_rows=list(prompt_rows),
+            pooled_rows=list(pooled_rows),
             bucket=bucket,
         )
 
@@ -183,6 +211,8 @@ def build_step_inputs(
     builder = StepInputsBuilder(page_size)
     sampled: list[Request] = []
     num_sampled_rows: list[int] = []
+    prompt_rows: list[PromptRows] = []
+    pooled_rows: list[tuple[int, Request]] = []
     for index, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start = batch.start(index)
         end = start + num_new
@@ -190,8 +220,24 @@ def build_step_inputs(
         pages = request.pages[: -(-end // page_size)]
         builder.add_row(request.tokens_with_proposed(start, end), start, pages, num_sampled)
         if num_sampled:
+            if request.pooling is not None:
+                pooled_rows.append((len(builder.sample_rows) - 1, request))
             sampled.append(request)
             num_sampled_rows.append(num_sampled)
+        if request.prompt_logprobs is not None:
+            span = unscored_prompt_rows(request, start, end)
+            if span.count:
+                builder.add_prompt_rows(start, span.first, span.count)
+                prompt_rows.append(span)
     for _ in range(len(batch.requests), pad_to):
         builder.add_padding_row()
-    return builder.build(device, sampled, num_sampled_rows, bucket=pad_to)
+    return builder.build(device, sampled, num_sampled_rows, prompt_rows, pooled_rows, pad_to)
+
+
+def unscored_prompt_rows(request: Request, start: int, end: int) -> PromptRows:
+    """The positions in `[start, end)` whose logits score a prompt token not scored yet:
+    position `p` scores token `p + 1`, and tokens up to `len(prompt_logprobs)` are done
+    (a request recomputing its prompt after a preemption does not score it twice)."""
+    first = max(start, len(request.prompt_logprobs))
+    stop = min(end, request.num_prompt_tokens - 1)
+    return PromptRows(request, first, max(0, stop - first))

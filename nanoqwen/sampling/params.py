@@ -18,7 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nanoqwen.sampling.grammar import StructuredOutput
+
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs and vLLM allow
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]: enough to ban or force a token
 
 
 # Below this temperature the sampled distribution is the argmax up to float precision, while
@@ -52,6 +56,10 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: the token's and the k likeliest alternatives'
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (all but the first)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured_output: StructuredOutput | None = None
     # The defaultable settings the caller left out, still waiting for the model's values.
     unset: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
@@ -86,12 +94,31 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
             _check(_MIN_SEED <= self.seed <= _MAX_SEED, "seed", "a 64-bit integer", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _integer(name, getattr(self, name))
+                _check(0 <= value <= MAX_LOGPROBS, name, f"in [0, {MAX_LOGPROBS}]", value)
+                setattr(self, name, value)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError("structured_output must be a StructuredOutput, "
+                                 f"got {type(self.structured_output).__name__}")
+            if self.ignore_eos:  # a finished grammar allows nothing but the end of text
+                raise ValueError("ignore_eos cannot be combined with structured_output")
 
     def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """These params with every setting left out taken from `defaults` (a model's
         recommended ones, as `SamplingParams` keywords); checked like any other."""
         chosen = {name: value for name, value in defaults.items() if name in self.unset}
         return replace(self, **chosen, unset=frozenset()) if self.unset else self
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise a ValueError if `logit_bias` names a token outside a `vocab_size` vocabulary."""
+        outside = [token for token in self.logit_bias or {} if token >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary of "
+                             f"{vocab_size}: {outside[:5]}")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -102,6 +129,12 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request always takes the most likely token."""
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probabilities are computed at (`logprobs.py`): the request's,
+        or 1 for a greedy one, whose own temperature would divide by zero."""
+        return self.temperature if self.temperature >= _GREEDY_TEMPERATURE else 1.0
 
     @property
     def uses_repetition_penalty(self) -> bool:
@@ -152,3 +185,19 @@ def _stop_token_ids(ids: object) -> list[int]:
         if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {token_id!r}")
     return [int(token_id) for token_id in ids]
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    checked = {}
+    for token_id, value in bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+        value = _real("logit_bias", value)
+        _check(abs(value) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", value)
+        checked[int(token_id)] = value
+    return checked or None  # an empty bias is no bias

@@ -8,9 +8,10 @@ every step.
 
 Pipeline, in the order vLLM and the OpenAI API define it:
 
-1. penalties on the raw logits: repetition (tokens seen in prompt or output; divide positive
-   logits, multiply negative ones), then presence/frequency (output tokens only:
-   ``logit -= frequency * count + presence * (count > 0)``);
+1. processing of the raw logits: `logit_bias` added, then the penalties: repetition
+   (tokens seen in prompt or output; divide positive logits, multiply negative ones), then
+   presence/frequency (output tokens only: ``logit -= frequency * count + presence *
+   (count > 0)``), then a structured-output grammar's mask (``grammar.py``);
 2. greedy rows (temperature 0, or top_k 1) take the argmax and are done;
 3. the other rows: divide by temperature, softmax, drop tokens outside top-k, outside the top-p
    nucleus, and below ``min_p * max_prob``, then draw a token.
@@ -19,6 +20,11 @@ Drawing uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i
 ``i`` with probability ``probs[i] / sum(probs)``. Dropped tokens have probability 0 and can never
 win, and no renormalisation is needed. The point of the trick is that the noise is an
 ordinary tensor, so each seeded row can fill its own noise row from its own generator.
+
+Rows that ask for log-probabilities get them from the processed logits (``logprobs.py``),
+computed with the draw and copied to the host with the chosen ids in the step's one
+transfer; the sampler appends them to the request (``request.logprobs``), and advances a
+constrained request's grammar by its chosen token.
 
 Verifying proposed tokens (``speculative/verification.py``) needs the distribution itself
 rather than one draw from it: ``distribution`` returns exactly what ``sample`` draws from,
@@ -39,6 +45,8 @@ from typing import Protocol
 
 import torch
 
+from nanoqwen.sampling.grammar import GrammarMatcher, advance_grammars, apply_grammar_masks
+from nanoqwen.sampling.logprobs import TokenLogprobs, score_rows, unpack_rows
 from nanoqwen.sampling.params import SamplingParams
 
 
@@ -49,6 +57,9 @@ class SamplingRequest(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # on the logits' device; set iff params.seed is set
+    # Read only when the params ask for them:
+    grammar: GrammarMatcher | None  # params.structured_output: advanced by each chosen token
+    logprobs: list[TokenLogprobs] | None  # params.logprobs: each chosen token's, appended
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -64,16 +75,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[int]:
         """Pick the next token for each row of ``logits`` ``[B, vocab]`` under its params."""
         _check_shape(logits, requests)
-        logits = _apply_penalties(logits, requests)
-        sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
-        if not sampled_rows:
-            return _argmax(logits).tolist()
-        if len(sampled_rows) == len(requests):
-            return _sample_rows(logits, requests).tolist()
-        token_ids = _argmax(logits)
-        rows = _to_device(sampled_rows, torch.int64, logits.device)
-        token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
-        return token_ids.tolist()
+        logits = _process_logits(logits, requests)
+        token_ids = _choose(logits, requests)
+        scored = [row for row, req in enumerate(requests) if req.params.logprobs is not None]
+        if scored:
+            tokens = _with_logprobs(logits, token_ids, requests, scored)
+        else:
+            tokens = token_ids.tolist()
+        advance_grammars(requests, tokens)
+        return tokens
 
     def distribution(
         self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
@@ -84,7 +94,7 @@ class Sampler:
         its argmax.
         """
         _check_shape(logits, requests)
-        logits = _apply_penalties(logits, requests)
+        logits = _process_logits(logits, requests)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
         if greedy:
@@ -123,16 +133,59 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     return rows.max(dim=-1).indices
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Penalised float32 logits; the caller's tensor itself when no row uses a penalty."""
+def _choose(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Each row's token (on the device): the argmax for greedy rows, a draw for the rest."""
+    sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
+    if not sampled_rows:
+        return _argmax(logits)
+    if len(sampled_rows) == len(requests):
+        return _sample_rows(logits, requests)
+    token_ids = _argmax(logits)
+    rows = _to_device(sampled_rows, torch.int64, logits.device)
+    token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
+    return token_ids
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[SamplingRequest],
+    scored: list[int],
+) -> list[int]:
+    """The chosen ids as a list, and each `scored` row's log-probabilities appended to its
+    request, both brought to the host in one copy."""
+    params = [requests[row].params for row in scored]
+    rows = _to_device(scored, torch.int64, logits.device)
+    chosen_logits = logits[rows].float()
+    temperatures = [p.scoring_temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        scale = _to_device(temperatures, torch.float32, logits.device)
+        chosen_logits = chosen_logits / scale[:, None]
+    k = max(p.logprobs for p in params)
+    packed = score_rows(torch.log_softmax(chosen_logits, dim=-1), token_ids[rows], k)
+    host = torch.cat([token_ids.double(), packed.flatten()]).tolist()
+    tokens = [int(token) for token in host[: len(requests)]]
+    entries = unpack_rows(host[len(requests) :], [tokens[row] for row in scored],
+                          [p.logprobs for p in params], k)
+    for row, entry in zip(scored, entries):
+        requests[row].logprobs.append(entry)
+    return tokens
+
+
+def _process_logits(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Float32 logits with each row's logit bias, penalties and grammar mask applied; the
+    caller's tensor itself when no row uses any of them."""
     params = [request.params for request in requests]
     uses_repetition = [p.uses_repetition_penalty for p in params]
     uses_output = [p.uses_output_penalties for p in params]
-    if not any(uses_repetition) and not any(uses_output):
+    biased = any(p.logit_bias is not None for p in params)
+    constrained = any(p.structured_output is not None for p in params)
+    if not (any(uses_repetition) or any(uses_output) or biased or constrained):
         return logits
     # Always copy: .float() would alias a float32 input, and the edits below are in place.
     logits = logits.to(torch.float32, copy=True)
     vocab_size, device = logits.shape[-1], logits.device
+
+    if biased:
+        _add_logit_bias(logits, params)
 
     if any(uses_repetition):
         # Rows without the penalty get no history, so they stay untouched (penalty 1 anyway).
@@ -151,7 +204,22 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRequest]) 
         frequency = _to_device([p.frequency_penalty for p in params], torch.float32, device)
         presence = _to_device([p.presence_penalty for p in params], torch.float32, device)
         logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    if constrained:  # last: nothing after it may lift a forbidden token off -inf
+        apply_grammar_masks(logits, requests)
     return logits
+
+
+def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add (in place) each row's `logit_bias` to the logits of the token ids it names."""
+    rows, token_ids, biases = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(bias)
+    index = (_to_device(rows, torch.int64, logits.device),
+             _to_device(token_ids, torch.int64, logits.device))
+    logits.index_put_(index, _to_device(biases, torch.float32, logits.device), accumulate=True)
 
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:

@@ -11,7 +11,10 @@ other modules need to know about one request lives here:
 * its place in the queues (`status`) and, once it has ended, why (`finish_reason`);
 * how urgent it is: the `priority` it was given (lower is more urgent) and the `urgency`
   key the scheduler orders requests by (`waiting_queue.py` explains it);
-* how to sample it (`params`, `generator`) and how to stream its text (`detokenizer`);
+* how to sample it (`params`, `generator`, a structured-output `grammar`) and how to
+  stream its text (`detokenizer`); the log-probabilities it asked for, as they are
+  computed (`logprobs`, `prompt_logprobs`); for an embedding request, its `pooling`
+  params and, once computed, its `embedding`;
 * during a step, tokens a proposer guessed for it, for the model to verify in the same
   pass (`proposed_token_ids`; none unless an engine proposes any). They are not part of
   `token_ids`: only the tokens verification accepts are appended there.
@@ -28,7 +31,10 @@ from typing import TypeAlias
 
 import torch
 
+from nanoqwen.sampling.grammar import GrammarMatcher
+from nanoqwen.sampling.logprobs import TokenLogprobs
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 from nanoqwen.text.detokenizer import IncrementalDetokenizer
 
 # (aged priority, arrival number): smaller is more urgent, and no two requests tie.
@@ -61,9 +67,20 @@ class Request:
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
     # Guessed next tokens this step verifies (see the module docstring).
     proposed_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # set iff params.structured_output is
+    pooling: PoolingParams | None = None  # an embedding request: no text, an `embedding`
+    embedding: torch.Tensor | None = None
+    # Filled as computed, when the params ask: one entry per generated token, and one per
+    # prompt token after the first.
+    logprobs: list[TokenLogprobs] | None = field(init=False, default=None)
+    prompt_logprobs: list[TokenLogprobs] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +97,14 @@ class Request:
             return self.token_ids[start:end]
         proposed = self.proposed_token_ids[max(start - num_accepted, 0) : end - num_accepted]
         return self.token_ids[start:end] + proposed
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last (its
+        logits give the next token), and none whose prompt logprobs are still owed."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, len(self.prompt_logprobs))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -221,8 +221,8 @@ class Scheduler:
     ) -> bool:
         """Try to start `request`, preempting less urgent running requests for its seat or
         pages if it outranks them. False means stop admitting (no room for it)."""
-        # Leave at least one token to compute: its logits give the next token.
-        pages = self.cache.match(request.token_ids[: request.num_tokens - 1]) if self.cache else []
+        reusable = request.token_ids[: request.num_reusable_tokens]
+        pages = self.cache.match(reusable) if self.cache else []
         num_cached = len(pages) * self.page_size
         if self._next_page_in_flight(request, num_cached):
             self.allocator.release(pages)

@@ -6,6 +6,10 @@ Read it in this order:
   `LLMEngine`, through a command queue in and a queue of outputs per request back out.
 * `protocol` and `responses` — the OpenAI API: what a request may say (checked, with
   errors that name the field) and what the answers look like, whole or streamed.
+  `fields` says which fields each route takes (the rest: a 400 or a logged warning);
+  `logprobs`, `structured` and `tools` are the parts of a request that ask for
+  log-probabilities, a grammar or tool calls, each with its own corner of the answer;
+  `tokens` shapes the routes beside generation (embeddings, tokenize, model cards).
 * `routes` — the endpoints, and the flow of one completion from body to last chunk.
 * `plumbing` and `app` — the `http.server` parts: deadlines, disconnects, who may call,
   Server-Sent Events, the connection cap and a shutdown that never waits on a client.

@@ -48,6 +48,7 @@ import torch
 from nanoqwen.engine import EncodedPrompt, LLMEngine
 from nanoqwen.outputs import RequestOutput, StepError
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
 
 logger = logging.getLogger("nanoqwen.server")
 
@@ -152,7 +153,8 @@ class EngineLoop:
         self._enqueue(lambda engine: self._abort_now(ids))
 
     def submit(
-        self, sequences: list[tuple[EncodedPrompt, SamplingParams]], id_prefix: str,
+        self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
+        id_prefix: str,
         priority: int = 0,
     ) -> Submission:
         """Add one engine request per (encoded prompt, params), all at `priority`, all or none.
@@ -231,7 +233,7 @@ class EngineLoop:
 
     def _add(
         self,
-        sequences: list[tuple[EncodedPrompt, SamplingParams]],
+        sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str,
         priority: int,
         outputs: queue.SimpleQueue[Output],

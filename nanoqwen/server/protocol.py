@@ -4,7 +4,9 @@ Everything a request carries is checked here, before the engine sees any of it, 
 refusal is an `APIError`: an HTTP status plus OpenAI's error object (`{"error": {"message",
 "type", "param", "code"}}`), with `param` naming the field at fault. The engine only ever
 receives token ids and a valid `SamplingParams`; prompts are tokenized (and chat messages
-rendered through the template) on the calling handler thread, never on the engine thread.
+rendered through the template, grammars compiled) on the calling handler thread, never on
+the engine thread. The fields of one feature are read in that feature's module
+(`logprobs`, `structured`, `tools`); which fields a route takes at all, in `fields`.
 
 Which errors are whose: 4xx means the request was wrong (400 bad field, 404 unknown model
 or route, 413 body too large, 415 not JSON, 429 queue full); 5xx means the server was
@@ -15,6 +17,7 @@ the details go to the log; 503 not serving; 504 the request outlived its timeout
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,8 +37,8 @@ SAMPLING_FIELDS = (
 # Upper limits SamplingParams leaves open. Temperature takes OpenAI's range; a repetition
 # penalty beyond these bounds (SGLang's) divides float32 logits towards overflow.
 SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "repetition_penalty": (0.01, 2.0)}
-# Accepted by OpenAI but not implemented here: refuse them rather than silently ignore them.
-UNSUPPORTED_FIELDS = ("logprobs", "top_logprobs", "logit_bias", "tools", "echo", "suffix")
+INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed is an int64
+# Which request fields a route accepts, and what becomes of the others: `fields.py`.
 
 
 class APIError(Exception):
@@ -119,17 +122,18 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     priority: int = 0  # lower is served sooner (vLLM's field), under priority scheduling
+    max_tokens: tuple[str, int] | None = None  # (field, value) when the request set it
 
 
 def parse_generation_options(
-    body: dict[str, Any], default_max_tokens: int, engine: LLMEngine
+    body: dict[str, Any], default_max_tokens: int, engine: LLMEngine, **sampling: Any
 ) -> GenerationOptions:
-    """What the request asks for besides its prompt, each field checked."""
-    for name in UNSUPPORTED_FIELDS:
-        if body.get(name):
-            raise bad_request(f"{name} is not supported by this server", name)
+    """What the request asks for besides its prompt, each field checked. `sampling` holds
+    `SamplingParams` fields the route worked out itself (logprobs, a grammar)."""
     stream = _field(body, "stream", bool, "a boolean", False)
     stream_options = _field(body, "stream_options", dict, "an object", {})
+    if body.get("stream_options") is not None and not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     include_usage = _field(
         stream_options, "include_usage", bool, "a boolean", False, "stream_options.include_usage"
     )
@@ -138,22 +142,57 @@ def parse_generation_options(
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
     # max_completion_tokens is the newer name of max_tokens.
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(max_tokens_field)
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     # What the request leaves out, the engine fills from the model's recommended settings.
     fields = within_limits(given, engine.model_config.vocab_size)
+    logit_bias = parse_logit_bias(body, engine.model_config.vocab_size)
     try:
         params = SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens, **fields
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            logit_bias=logit_bias, **fields, **sampling,
         )
         # With a seed, the n samples still differ: each gets its own seed.
         samples = [params if params.seed is None else replace(params, seed=params.seed + i)
                    for i in range(n)]
     except ValueError as error:
         raise bad_request(str(error), named_parameter(str(error))) from error
-    return GenerationOptions(samples, stream, include_usage, priority)
+    asked = None if max_tokens is None else (max_tokens_field, params.max_tokens)
+    return GenerationOptions(samples, stream, include_usage, priority, asked)
+
+
+def check_context(prompts: list[EncodedPrompt], options: GenerationOptions,
+                  max_model_len: int) -> None:
+    """A request that asks for more tokens than the context leaves after a prompt is
+    refused (as vLLM and SGLang do); one that leaves max_tokens out gets what is left."""
+    if options.max_tokens is None:
+        return
+    name, asked = options.max_tokens
+    for prompt in prompts:
+        if len(prompt.token_ids) + asked > max_model_len:
+            raise bad_request(
+                f"{name} is too large: {asked}. This model's context is {max_model_len} tokens "
+                f"and the prompt has {len(prompt.token_ids)} ({asked} > {max_model_len} - "
+                f"{len(prompt.token_ids)})", name,
+            )
+
+
+def parse_logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, Any] | None:
+    """`logit_bias` with its keys (token ids, which JSON writes as strings) as ints."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must map token ids to numbers", "logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids below {vocab_size}, got "
+                              f"{key!r}", "logit_bias")
+        parsed[int(key)] = value
+    return parsed
 
 
 def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
@@ -167,6 +206,9 @@ def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         value = fields.get(name)
         if _is_number(value) and not lowest <= value <= highest:
             raise bad_request(f"{name} must be in [{lowest:g}, {highest:g}], got {value!r}", name)
+    seed = fields.get("seed")
+    if _is_int(seed) and not INT64[0] <= seed <= INT64[1]:
+        raise bad_request(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     stop_ids = fields.get("stop_token_ids")
     if isinstance(stop_ids, list) and any(_is_int(i) and i >= vocab_size for i in stop_ids):
         raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab_size}",
@@ -178,17 +220,55 @@ def named_parameter(message: str) -> str | None:
     """The request field an engine's `ValueError` is about: its messages begin with the
     parameter's name (SamplingParams', and `add_request`'s about priority)."""
     first_word = message.split("=", 1)[0].split(" ", 1)[0]
-    return first_word if first_word in (*SAMPLING_FIELDS, "max_tokens", "priority") else None
+    named = (*SAMPLING_FIELDS, "max_tokens", "priority", "logit_bias", "logprobs")
+    return first_word if first_word in named else None
 
 
 # ---------------------------------------------------------------------------- prompts
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+MessageExtras = Callable[[dict[str, Any], str], dict[str, Any]]
+
+
+def parse_messages(
+    body: dict[str, Any], extras: MessageExtras | None = None
+) -> list[dict[str, Any]]:
+    """The conversation, each message's role and text checked; `extras(message, param)`
+    adds fields a template reads besides them (tool calls: `tools.tool_fields`)."""
     messages = body.get("messages")
     if messages is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    return [_parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    parsed = [_parse_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    if extras is not None:
+        for i, (message, raw) in enumerate(zip(parsed, messages)):
+            message.update(extras(raw, f"messages[{i}]"))
+    return parsed
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat is rendered besides its messages."""
+
+    enable_thinking: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # end with the assistant's turn header
+    continue_final_message: bool = False  # end inside the last (assistant) message: a prefill
+
+
+def parse_template_options(
+    body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> TemplateOptions:
+    """vLLM's `add_generation_prompt` and `continue_final_message` (an assistant prefill:
+    the reply continues the last message's text), and Qwen3's `enable_thinking`."""
+    continue_final = _field(body, "continue_final_message", bool, "a boolean", False)
+    add_prompt = _field(body, "add_generation_prompt", bool, "a boolean", not continue_final)
+    if continue_final and add_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's",
+                          "continue_final_message")
+    return TemplateOptions(parse_enable_thinking(body), tools, add_prompt, continue_final)
 
 
 def parse_enable_thinking(body: dict[str, Any]) -> bool | None:
@@ -200,11 +280,11 @@ def parse_enable_thinking(body: dict[str, Any]) -> bool | None:
     )
 
 
-def parse_prompts(body: dict[str, Any]) -> list[Prompt]:
+def parse_prompts(body: dict[str, Any], name: str = "prompt") -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    prompt = body.get("prompt")
+    prompt = body.get(name)
     if prompt is None:
-        raise bad_request("prompt is required", "prompt")
+        raise bad_request(f"{name} is required", name)
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
@@ -215,8 +295,8 @@ def parse_prompts(body: dict[str, Any]) -> list[Prompt]:
         if all(isinstance(item, list) and all(map(_is_int, item)) for item in prompt):
             return list(prompt)
     raise bad_request(
-        "prompt must be a string, a list of strings, a list of token ids or a list of them",
-        "prompt",
+        f"{name} must be a string, a list of strings, a list of token ids or a list of them",
+        name,
     )
 
 
@@ -230,11 +310,16 @@ def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list
 
 
 def render_chat(
-    engine: LLMEngine, messages: list[dict[str, str]], enable_thinking: bool | None
+    engine: LLMEngine, messages: list[dict[str, Any]], options: TemplateOptions
 ) -> list[int]:
     try:
-        return engine.tokenizer.apply_chat_template(messages, enable_thinking)
-    except jinja2.TemplateError as error:  # the template itself refused (roles out of order)
+        return engine.tokenizer.apply_chat_template(
+            messages, options.enable_thinking, options.tools, options.add_generation_prompt,
+            options.continue_final_message,
+        )
+    # The template itself refused (roles out of order), or transformers did (a prefill it
+    # cannot find in the rendered text).
+    except (jinja2.TemplateError, ValueError) as error:
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from error
 
 

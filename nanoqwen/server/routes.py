@@ -10,21 +10,32 @@ outputs that the client is still there and the request within its deadline.
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import resources
-from typing import ClassVar
+from typing import Any, ClassVar
+from urllib.parse import unquote
 
 from nanoqwen.engine import EncodedPrompt
 from nanoqwen.metrics import CONTENT_TYPE
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.server import protocol
+from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.server import protocol, tokens
 from nanoqwen.server.engine_loop import NotServing, QueueFull, RequestFailed, Submission
+from nanoqwen.server.fields import check_fields
+from nanoqwen.server.logprobs import parse_chat_logprobs, parse_completion_logprobs
 from nanoqwen.server.plumbing import HTTPHandler
 from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request
 from nanoqwen.server.responses import API, ChatAPI, CompletionsAPI, Reply
+from nanoqwen.server.structured import compile_structured_output, parse_structured_output
+from nanoqwen.server.tools import ToolOptions, parse_tools, tool_fields
 
+MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the id may hold slashes (a hub id)
 POLL_SECONDS = 0.25  # how often a handler waiting for tokens checks its client and deadline
 RETRY_AFTER_SECONDS = 1
 
@@ -67,6 +78,8 @@ class OpenAIHandler(HTTPHandler):
     def _dispatch(self) -> None:
         path = self.path.split("?", 1)[0]
         methods = self.ROUTES.get(path)
+        if methods is None and path.startswith(MODEL_PATH):
+            methods = {"GET": OpenAIHandler.get_model}
         if methods is None:
             raise APIError(404, f"no route {path}", "not_found_error", code="not_found")
         allowed = ", ".join(methods)
@@ -99,33 +112,99 @@ class OpenAIHandler(HTTPHandler):
         self._send_bytes(200, self.server.metrics.render(), CONTENT_TYPE)
 
     def list_models(self) -> None:
-        engine = self.server.engine
-        model = {
-            "id": self.server.settings.model_name, "object": "model",
-            "created": self.server.created, "owned_by": "nanoqwen",
-            "max_model_len": engine.max_model_len,
-            # What a request that leaves these out samples with (the chat page shows them).
-            "sampling_defaults": engine.sampling_defaults,
-        }
-        self._send_json(200, {"object": "list", "data": [model]})
+        card = tokens.model_card(self.server.settings.model_name, self.server.created,
+                                 self.server.engine)
+        self._send_json(200, {"object": "list", "data": [card]})
+
+    def get_model(self) -> None:
+        model_id = unquote(self.path.split("?", 1)[0].removeprefix(MODEL_PATH))
+        if model_id != self.server.settings.model_name:
+            protocol.check_model({"model": model_id}, self.server.settings.model_name)
+        self._send_json(200, tokens.model_card(model_id, self.server.created, self.server.engine))
+
+    def version(self) -> None:
+        self._send_json(200, {"version": importlib.metadata.version("nanoqwen")})
 
     def chat_completions(self) -> None:
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
-        messages = protocol.parse_messages(body)
-        enable_thinking = protocol.parse_enable_thinking(body)
-        options = protocol.parse_generation_options(body, engine.max_model_len, engine)
-        prompt = protocol.render_chat(engine, messages, enable_thinking)
-        self._generate(ChatAPI(), protocol.encode_prompts(engine, [prompt], "messages"), options)
+        check_fields(body, "chat")
+        messages = protocol.parse_messages(body, tool_fields)
+        tools = parse_tools(body)
+        template = protocol.parse_template_options(body, messages, tools and tools.tools)
+        logprobs = parse_chat_logprobs(body)
+        options = protocol.parse_generation_options(
+            body, engine.max_model_len, engine, logprobs=logprobs,
+            structured_output=self._structured_output(body, tools),
+        )
+        prompt = protocol.render_chat(engine, messages, template)
+        prompts = protocol.encode_prompts(engine, [prompt], "messages")
+        protocol.check_context(prompts, options, engine.max_model_len)
+        self._generate(ChatAPI(engine.tokenizer, logprobs is not None, tools), prompts, options)
 
     def completions(self) -> None:
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
+        check_fields(body, "completions")
         prompts = protocol.parse_prompts(body)
-        default_max_tokens = protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-        options = protocol.parse_generation_options(body, default_max_tokens, engine)
+        logprobs, echo = parse_completion_logprobs(body)
+        options = protocol.parse_generation_options(
+            body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine, logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+            structured_output=self._structured_output(body, None),
+        )
         # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
-        self._generate(CompletionsAPI(), protocol.encode_prompts(engine, prompts, "prompt"), options)
+        encoded = protocol.encode_prompts(engine, prompts, "prompt")
+        protocol.check_context(encoded, options, engine.max_model_len)
+        self._generate(CompletionsAPI(engine.tokenizer, logprobs is not None, echo), encoded,
+                       options)
+
+    def embeddings(self) -> None:
+        engine, body = self.server.engine, self._read_json()
+        protocol.check_model(body, self.server.settings.model_name)
+        check_fields(body, "embeddings")
+        encoding = tokens.parse_encoding_format(body)
+        prompts = protocol.encode_prompts(engine, protocol.parse_prompts(body, "input"), "input")
+        with self._submitted([(prompt, PoolingParams()) for prompt in prompts], "embd") as sub:
+            finals = self._collect(sub)
+        model_id = self.server.settings.model_name
+        self._send_json(200, tokens.embeddings_response(finals, encoding, model_id))
+
+    def tokenize(self) -> None:
+        engine, body = self.server.engine, self._read_json()
+        protocol.check_model(body, self.server.settings.model_name)
+        if body.get("messages") is not None:  # a chat, rendered as the chat route renders it
+            messages = protocol.parse_messages(body, tool_fields)
+            tools = parse_tools(body)
+            template = protocol.parse_template_options(body, messages, tools and tools.tools)
+            token_ids = protocol.render_chat(engine, messages, template)
+        elif isinstance(body.get("prompt"), str):
+            token_ids = engine.tokenizer.encode(body["prompt"])
+        else:
+            raise bad_request("tokenize needs a prompt string or chat messages", "prompt")
+        self._send_json(200, tokens.tokenize_response(engine, token_ids, body))
+
+    def detokenize(self) -> None:
+        engine, body = self.server.engine, self._read_json()
+        protocol.check_model(body, self.server.settings.model_name)
+        token_ids = tokens.parse_detokenize(body, engine.model_config.vocab_size)
+        text = engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+        self._send_json(200, {"prompt": text})
+
+    def _structured_output(
+        self, body: dict[str, Any], tools: ToolOptions | None
+    ) -> StructuredOutput | None:
+        """The grammar the request asks for (or its tool_choice forces), compiled now."""
+        spec, param = parse_structured_output(body)
+        forced = tools.grammar() if tools is not None else None
+        if forced is not None:
+            if spec is not None:
+                raise bad_request(f"tool_choice {tools.choice} cannot be combined with {param}",
+                                  "tool_choice")
+            spec, param = forced, "tools"
+        if spec is not None:
+            compile_structured_output(self.server.engine, spec, param)
+        return spec
 
     ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {
         "/": {"GET": chat_page},
@@ -135,34 +214,47 @@ class OpenAIHandler(HTTPHandler):
         "/v1/models": {"GET": list_models},
         "/v1/chat/completions": {"POST": chat_completions},
         "/v1/completions": {"POST": completions},
+        "/v1/embeddings": {"POST": embeddings},
+        "/tokenize": {"POST": tokenize},
+        "/detokenize": {"POST": detokenize},
+        "/version": {"GET": version},
     }
 
     # ------------------------------------------------------------ generation
     def _generate(self, api: API, prompts: list[EncodedPrompt], options: GenerationOptions) -> None:
-        response_id = f"{api.id_prefix}-{uuid.uuid4().hex[:24]}"
-        self.record.request_id = response_id
         self.record.samples_per_prompt = len(options.params)
         # Choices are ordered prompt by prompt, then sample by sample, as OpenAI orders them.
         sequences = [(prompt, params) for prompt in prompts for params in options.params]
-        loop = self.server.engine_loop
-        if len(sequences) > loop.capacity:
-            raise bad_request(f"{len(sequences)} sequences asked for; "
-                              f"this server holds {loop.capacity}")
-        try:
-            submission = loop.submit(sequences, response_id, options.priority)
-        except ValueError as error:  # the engine refused the input
-            raise bad_request(str(error), protocol.named_parameter(str(error))) from error
-        reply = Reply(api, response_id, self.server.settings.model_name, int(time.time()),
-                      options.include_usage)
-        try:
+        with self._submitted(sequences, api.id_prefix, options.priority) as submission:
+            reply = Reply(api, self.record.request_id, self.server.settings.model_name,
+                          int(time.time()), options.include_usage)
             if options.stream:
                 self._stream(reply, submission)
             else:
                 finals = self._collect(submission)
                 self._send_json(200, reply.response(finals, self.record.usage()))
             self.server.metrics.request_duration.observe(time.perf_counter() - self.record.start)
+
+    @contextmanager
+    def _submitted(
+        self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
+        id_prefix: str, priority: int = 0,
+    ) -> Iterator[Submission]:
+        """Hand the sequences to the engine; whatever is unfinished on leaving (the client
+        left, timed out, or something failed) is aborted."""
+        self.record.request_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+        loop = self.server.engine_loop
+        if len(sequences) > loop.capacity:
+            raise bad_request(f"{len(sequences)} sequences asked for; "
+                              f"this server holds {loop.capacity}")
+        try:
+            submission = loop.submit(sequences, self.record.request_id, priority)
+        except ValueError as error:  # the engine refused the input
+            raise bad_request(str(error), protocol.named_parameter(str(error))) from error
+        try:
+            yield submission
         finally:
-            if submission.unfinished:  # the client left, timed out, or something failed
+            if submission.unfinished:
                 loop.abort(submission.unfinished)
 
     def _collect(self, submission: Submission) -> list[RequestOutput]:
@@ -173,12 +265,11 @@ class OpenAIHandler(HTTPHandler):
     def _stream(self, reply: Reply, submission: Submission) -> None:
         self.event_stream = True
         self._send_head(200, "text/event-stream; charset=utf-8", {"Cache-Control": "no-cache"})
-        opening = reply.api.opening_choices(len(submission.request_ids))
-        if opening:
-            self._send_event(reply.chunk(opening))
+        for opening in reply.api.opening_choices(len(submission.request_ids)):
+            self._send_event(reply.chunk([opening]))  # one per choice, as OpenAI sends them
         for index, output in self._follow(submission):
-            if output.delta_text or output.finished:
-                choice = reply.api.delta_choice(index, output.delta_text, output.finish_reason)
+            choice = reply.api.delta_choice(index, output)
+            if choice is not None:
                 self._send_event(reply.chunk([choice]))
         if reply.include_usage:
             self._send_event(reply.usage_chunk(self.record.usage()))

@@ -128,10 +128,12 @@ class Proposer:
 
     def wanted(self, batch: ScheduledBatch, index: int) -> int:
         """How many drafts row `index` may carry: none unless it reaches the request's last
-        token, and never more than the request can still generate."""
-        if not batch.reaches_last_token(index):
-            return 0
+        token, never more than the request can still generate, and none for a request that
+        wants each token's logprobs or follows a grammar (the sampler serves those one
+        token at a time)."""
         request = batch.requests[index]
+        if not batch.reaches_last_token(index) or not _speculates(request):
+            return 0
         left = min(
             request.params.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
@@ -166,6 +168,11 @@ class Proposer:
 
     def forget(self, request: Request) -> None:
         """Drop what this proposer kept of `request`'s drafts (nothing, here)."""
+
+
+def _speculates(request: Request) -> bool:
+    params = request.params
+    return params.logprobs is None and params.structured_output is None
 
 
 class NgramProposer(Proposer):

@@ -80,7 +80,9 @@ def sample_with_drafts(
     draft_probs: DraftProbs = no_draft_probs,
 ) -> list[list[int]]:
     """Each request's new tokens, from its `1 + len(proposed_token_ids)` consecutive rows
-    of `logits`: the accepted drafts, then one token of the target's own."""
+    of `logits`: the accepted drafts, then one token of the target's own. A request without
+    drafts is sampled as it would be without speculation, in the same sampler call as the
+    greedy requests' draft rows (one device-to-host copy for both)."""
     if not any(request.proposed_token_ids for request in requests):
         return [[token_id] for token_id in sampler.sample(logits, requests)]
     blocks, num_rows = [], 0  # each request's rows
@@ -90,18 +92,33 @@ def sample_with_drafts(
     if logits.shape[0] != num_rows:
         raise ValueError(f"expected {num_rows} rows of logits, got {logits.shape[0]}")
     new_tokens: list[list[int]] = [[] for _ in requests]
-    for verify, greedy in ((_verify_greedy, True), (_verify_sampled, False)):
-        chosen = [i for i, request in enumerate(requests) if request.params.is_greedy == greedy]
-        if not chosen:
-            continue
-        block = logits
-        if len(chosen) < len(requests):
-            rows = [row for i in chosen for row in blocks[i]]
-            block = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-        chosen_requests = [requests[i] for i in chosen]
-        for i, tokens in zip(chosen, verify(sampler, block, chosen_requests, draft_probs)):
+    plain = [i for i, request in enumerate(requests) if not request.proposed_token_ids]
+    greedy = [i for i, request in enumerate(requests)
+              if request.proposed_token_ids and request.params.is_greedy]
+    sampled = [i for i, request in enumerate(requests)
+               if request.proposed_token_ids and not request.params.is_greedy]
+    if plain or greedy:
+        greedy_requests = [requests[i] for i in greedy]
+        rows = [blocks[i].start for i in plain] + [row for i in greedy for row in blocks[i]]
+        chosen = sampler.sample(
+            _rows(logits, rows), [requests[i] for i in plain] + draft_rows(greedy_requests)
+        )
+        for i, token_id in zip(plain, chosen):
+            new_tokens[i] = [token_id]
+        for i, tokens in zip(greedy, _accept_greedy(greedy_requests, chosen[len(plain) :])):
+            new_tokens[i] = tokens
+    if sampled:
+        block = _rows(logits, [row for i in sampled for row in blocks[i]])
+        verified = _verify_sampled(sampler, block, [requests[i] for i in sampled], draft_probs)
+        for i, tokens in zip(sampled, verified):
             new_tokens[i] = tokens
     return new_tokens
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
 
 
 def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
@@ -113,10 +130,8 @@ def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
     ]
 
 
-def _verify_greedy(
-    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request], draft_probs: DraftProbs
-) -> list[list[int]]:
-    targets = sampler.sample(logits, draft_rows(requests))
+def _accept_greedy(requests: Sequence[Request], targets: list[int]) -> list[list[int]]:
+    """Greedy requests' new tokens, given the target's argmax at every draft row."""
     accepted = [draft == target for draft, target in zip(_drafts_by_row(requests), targets)]
     return _new_tokens(requests, accepted, targets)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from nanoqwen.weights.gguf import is_gguf_file, load_gguf_tokenizer
 
@@ -19,6 +20,8 @@ from nanoqwen.weights.gguf import is_gguf_file, load_gguf_tokenizer
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # For checkpoints that publish no sampling settings: Qwen3's published chat settings.
 FALLBACK_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+# Byte-level BPE writes byte b as the printable character bytes_to_unicode()[b].
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -40,12 +43,18 @@ class Tokenizer:
         # Streaming decodes a few tokens per request per step. The Rust tokenizer does that
         # in a third of the time transformers' wrapper takes, which adds only an optional
         # clean-up pass (off for Qwen's byte-level BPE).
+        self._special_ids = frozenset(self._hf.all_special_ids)
         backend = getattr(self._hf, "backend_tokenizer", None)
         self._decode = (
             backend.decode
             if backend is not None and not self._hf.clean_up_tokenization_spaces
             else self._hf.decode
         )
+
+    @property
+    def hf_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer underneath (what a grammar compiler reads)."""
+        return self._hf
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS are added (Qwen uses none for plain prompts)."""
@@ -55,22 +64,48 @@ class Tokenizer:
         return self._decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], enable_thinking: bool | None = None
+        self,
+        messages: list[dict[str, Any]],
+        enable_thinking: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Prompt ids for an OpenAI-style conversation, ending with the assistant's turn header.
+        """Prompt ids for an OpenAI-style conversation, by default ending with the
+        assistant's turn header.
 
         `enable_thinking` is a Qwen3 template variable (False pre-fills an empty reasoning
         block); it is passed only when given, so templates that never mention it keep their
-        own default.
+        own default. `tools` (OpenAI function definitions) are rendered as the template
+        does (Qwen's: a system block listing them). `continue_final_message` leaves the
+        last message, an assistant's, open instead, so the reply continues its text (a
+        *prefill*); it rules out `add_generation_prompt`.
         """
         template_variables = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         return self._hf.apply_chat_template(
             messages,
-            add_generation_prompt=True,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,  # transformers 5 returns a BatchEncoding by default
             **template_variables,
         )
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, as text (special tokens included; a token holding part of
+        a character shows U+FFFD)."""
+        return self._decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A byte-level BPE token (Qwen's) spells them with
+        one printable character per byte; any other token is its text in UTF-8."""
+        piece = self._hf.convert_ids_to_tokens(token_id)
+        if piece is not None and token_id not in self._special_ids and all(
+            char in _BYTE_OF_CHAR for char in piece
+        ):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return self.token_text(token_id).encode()
 
     def get_vocab(self) -> dict[str, int]:
         """Every token's string and id, special tokens included."""

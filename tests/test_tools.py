@@ -1,0 +1,197 @@
+"""Tool calling: Qwen's template renders the tools and the call history, replies' <tool_call>
+blocks become OpenAI tool_calls (whole or streamed), and tool_choice is honoured.
+
+A random-weights model never calls a tool by itself, so replies are controlled: a
+structured-output choice makes the model write exactly a given text (which "auto" then
+parses), and "required" / named choices force a call through the grammar engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from server_helpers import MODEL, assert_error_shape, call, client_for, running_server
+
+from nanoqwen import LLM
+from nanoqwen.server import OpenAIServer
+from nanoqwen.server.tools import ToolCallStream, parse_tool_calls
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                   "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def block(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+# ---------------------------------------------------------------------------- the parser
+REPLY = ("Let me look.\n" + block("get_weather", {"city": "Oslo"}) + "\n"
+         + "<tool_call>{not json}</tool_call>\n" + block("get_time", {"zone": "CET"}))
+
+
+def test_parser_splits_content_and_calls() -> None:
+    content, calls = parse_tool_calls(REPLY)
+    assert content == "Let me look.\n\n<tool_call>{not json}</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse_tool_calls("no calls <tool_call") == ("no calls <tool_call", [])
+    assert parse_tool_calls(block("get_time", {"zone": "UTC"}))[0] is None
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
+def test_streamed_parser_agrees_with_the_whole_one(piece: int) -> None:
+    stream, content, calls = ToolCallStream(), "", []
+    for start in range(0, len(REPLY), piece):
+        text, new_calls = stream.feed(REPLY[start : start + piece])
+        assert "<tool_c" not in text or "{not json}" in text  # a call's text never leaks
+        content += text
+        calls += new_calls
+    content += stream.finish()
+    whole_content, whole_calls = parse_tool_calls(REPLY)
+    assert content.strip() == whole_content
+    assert [c["index"] for c in calls] == [0, 1]
+    assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+    unfinished = ToolCallStream()
+    assert unfinished.feed("hi <tool_call>\n{") == ("hi ", [])
+    assert unfinished.finish() == "<tool_call>\n{"
+
+
+# ---------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
+    with running_server(qwen3_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
+    with client_for(server) as client:
+        yield client
+
+
+def test_tools_and_call_history_reach_the_template(server: OpenAIServer, qwen3_dir: str) -> None:
+    history = [
+        {"role": "system", "content": "Be brief."}, *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 3}'},
+    ]
+    status, _, tokenized = call(server, "POST", "/tokenize", {"messages": history, "tools": TOOLS})
+    assert status == 200
+    offline = LLM(qwen3_dir, dtype="float32", num_pages=64)
+    parsed = [*history[:2], {**history[2], "content": "", "tool_calls": [{
+        **history[2]["tool_calls"][0],
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}, history[3]]
+    expected = offline.chat_prompt(parsed, tools=TOOLS)
+    assert tokenized["tokens"] == expected
+    text = offline.tokenizer.decode(expected, skip_special_tokens=False)
+    assert '"name": "get_time"' in text  # the tools are listed
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text  # an object
+    assert '<tool_response>\n{"celsius": 3}\n</tool_response>' in text
+
+
+def controlled(reply: str) -> dict:
+    """Make the model write exactly `reply`."""
+    return {"structured_outputs": {"choice": [reply]}}
+
+
+def test_auto_parses_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    reply = "Checking.\n" + block("get_weather", {"city": "Oslo"}) + "\n" + block(
+        "get_time", {"zone": "UTC"})
+    args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300,
+                extra_body=controlled(reply))
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert whole.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] \
+        == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "UTC"})]
+
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(d.content or "" for d in deltas).strip() == "Checking."
+    streamed = [call_ for d in deltas for call_ in d.tool_calls or []]
+    assert [(c.index, c.function.name) for c in streamed] == [(0, "get_weather"), (1, "get_time")]
+    assert [json.loads(c.function.arguments) for c in streamed] == [
+        {"city": "Oslo"}, {"zone": "UTC"}]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in streamed)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # tool_choice none: the same reply is plain text.
+    none = client.chat.completions.create(**{**args, "tool_choice": "none"}).choices[0]
+    assert none.message.tool_calls is None and none.message.content == reply
+    assert none.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_and_named_choices_force_calls(client: openai.OpenAI, stream: bool) -> None:
+    def calls_of(tool_choice: object, **extra: object) -> list[tuple[str, dict]]:
+        response = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=400,
+            temperature=0.8, seed=5, stream=stream, **extra)
+        if not stream:
+            choice = response.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            return [(c.function.name, json.loads(c.function.arguments))
+                    for c in choice.message.tool_calls]
+        chunks = list(response)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        return [(c.function.name, json.loads(c.function.arguments))
+                for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+
+    named = calls_of({"type": "function", "function": {"name": "get_time"}})
+    assert len(named) == 1 and named[0][0] == "get_time" and named[0][1]["zone"] in ("UTC", "CET")
+    required = calls_of("required")
+    assert required and all(name in ("get_weather", "get_time") for name, _ in required)
+    single = calls_of("required", parallel_tool_calls=False)
+    assert len(single) == 1
+
+
+BAD_TOOLS = [
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+     "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD_TOOLS, ids=[str(i) for i in range(len(BAD_TOOLS))])
+def test_bad_tool_requests_name_the_field(server: OpenAIServer, extra: dict, param: str) -> None:
+    status, _, body = call(server, "POST", "/v1/chat/completions",
+                           {"messages": ASK, "max_tokens": 5, **extra})
+    assert status == 400, body
+    assert_error_shape(body)
+    assert body["error"]["param"] == param
+
+
+def test_bad_tool_history_is_refused(server: OpenAIServer) -> None:
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{oops"}}]}]
+    status, _, body = call(server, "POST", "/v1/chat/completions", {"messages": history})
+    assert status == 400
+    assert body["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
