@@ -41,19 +41,20 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"KV cache {settings['kv_cache_dtype']}, {settings['threads']} torch threads, "
-        f"{settings['tensor_parallel_size']} rank(s)), "
+        f"KV cache {settings['kv_cache_dtype']}, {plural(settings['threads'], 'torch thread')}, "
+        f"{plural(settings['tensor_parallel_size'], 'rank')}), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
-        f"scheduling, median of {settings['rounds']} round(s)"
+        f"scheduling, median of {plural(settings['rounds'], 'round')}"
     )
-    console.print(
-        _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
-    )
+    console.print(_summary_table(
+        result["nanoqwen"], engine_column(settings), result.get("transformers"),
+        result.get("speedup"),
+    ))
     if "no_speculation" in result:
         console.print(_speculation_table(result))
     if "full_precision" in result:
         console.print(_quantization_table(result))
-    console.print(_phase_table(result["nanoqwen"]))
+    console.print(_phase_table(result["nanoqwen"], engine_column(settings)))
     if "policies" in result:
         console.print(_policy_table(result["policies"]))
     if "floor" in result:
@@ -62,11 +63,24 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_decode_table(result["decode"]))
 
 
-def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | None) -> Table:
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def engine_column(settings: Metrics) -> str:
+    """What the main figures are of: with several scheduling policies, the last one's run
+    (the others are in the policy table)."""
+    policies = settings["scheduling_policies"]
+    return f"nanoqwen, {policies[-1]} policy" if len(policies) > 1 else "nanoqwen"
+
+
+def _summary_table(
+    engine: Metrics, column: str, baseline: Metrics | None, speedup: float | None
+) -> Table:
     table = Table(title="Throughput and latency")
     table.add_column("metric")
-    for column in ("nanoqwen", *(("transformers", "ratio") if baseline is not None else ())):
-        table.add_column(column, justify="right")
+    for name in (column, *(("transformers", "ratio") if baseline is not None else ())):
+        table.add_column(name, justify="right")
     for label, key, fmt in THROUGHPUT_ROWS:
         row = [label, fmt.format(engine[key])]
         if baseline is not None:
@@ -92,11 +106,11 @@ def _speculation_table(result: Metrics) -> Table:
         ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
     ))
     figures = spec["speculation"]
-    proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
+    proposed_accepted = f"{figures['proposed_tokens']} / {figures['accepted_tokens']}"
     rows += [
         ("draft tokens proposed / accepted", proposed_accepted, ""),
-        ("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", ""),
-        ("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", ""),
+        ("acceptance rate", f"{figures['acceptance_rate']:.1%}", ""),
+        ("mean accepted length", f"{figures['mean_accepted_length']:.2f}", ""),
         ("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", ""),
     ]
     title = f"Speculative decoding: {method}, {num_tokens} tokens per request"
@@ -139,8 +153,8 @@ def _comparison_table(
     return table
 
 
-def _phase_table(engine: Metrics) -> Table:
-    table = Table(title="Where the time goes (nanoqwen)")
+def _phase_table(engine: Metrics, column: str) -> Table:
+    table = Table(title=f"Where the time goes ({column})")
     for column in ("phase", "total (s)", "per step (ms)", "share of wall time"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for name, phase in engine["phases"].items():
