@@ -58,6 +58,9 @@ activations, sampling and bookkeeping. The report shows the round with the media
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
+
+`--json` writes the result with what makes it comparable later (`bench_environment.py`:
+versions, machine, time) and every step of every run; `--plot` draws it (`bench_plot.py`).
 """
 
 from __future__ import annotations

@@ -358,6 +358,24 @@ def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> No
         assert copy[0].output_len == session[0].output_len
 
 
+def test_only_the_import_noise_of_torchao_is_dropped() -> None:
+    """The command lines drop torchao's warnings about CUDA extensions a CPU build cannot
+    load (and torch's about its enums) by their text: its other messages still show."""
+    script = (
+        "import logging\n"
+        "from nanoqwen.cli import quiet_library_noise\n"
+        "quiet_library_noise()\n"
+        "import torchao\n"
+        "logging.getLogger('torchao').warning('Failed to load the weather forecast')\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        cwd=BENCH.parent,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.splitlines() == ["Failed to load the weather forecast"]
+
+
 def test_plot_without_matplotlib_is_refused_before_the_run(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
