@@ -197,6 +197,7 @@ def check_plot(result: dict[str, Any]) -> None:
     assert shares == pytest.approx([p["share"] for p in result["nanoqwen"]["phases"].values()])
 
 
+@pytest.mark.slow
 def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
     spec = workload("shared-prefix", min_input=40, max_input=60)
     result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--rounds", "2")

@@ -33,6 +33,7 @@ def vocab(llm: LLM) -> int:
     return llm.engine.model_config.vocab_size
 
 
+@pytest.mark.slow
 def test_greedy_batch_matches_transformers(llm: LLM, model_dir: str) -> None:
     prompts = random_prompts(vocab(llm), MIXED_LENGTHS, seed=1)
     outputs = llm.generate(prompts, greedy(32))
@@ -89,6 +90,7 @@ def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
     check_page_accounting(engine)
 
 
+@pytest.mark.slow
 def test_output_is_independent_of_batch(llm: LLM) -> None:
     probe = random_prompts(vocab(llm), [45], seed=3)[0]
     others = random_prompts(vocab(llm), [5 + 9 * i for i in range(31)], seed=4)

@@ -326,6 +326,7 @@ def model_64_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_model_64(tmp_path_factory.mktemp("qwen2_64"), num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
