@@ -63,6 +63,9 @@ activations, sampling and bookkeeping. The report shows the round with the media
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
+
+`--json` writes the result with what makes it comparable later (`bench_environment.py`:
+versions, machine, time) and every step of every run; `--plot` draws it (`bench_plot.py`).
 """
 
 from __future__ import annotations
@@ -97,7 +100,13 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
-from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
+from nanoqwen.cli import (
+    SPECULATIVE_OPTION_NAMES,
+    engine_options,
+    model_option,
+    pop_engine_options,
+    quiet_library_noise,
+)
 from nanoqwen.speculative.proposers import SpeculationStats
 from nanoqwen.weights.checkpoint import resolve_model_path
 from nanoqwen.weights.gguf import from_pretrained_arguments
@@ -110,8 +119,13 @@ from tools.bench_decode import (
     PoolTooSmall,
     measure_decode_overhead,
 )
+from tools.bench_environment import describe_environment
 from tools.bench_floor import (
-    FloorRecorder, bandwidth_floor, bytes_read_per_token, measure_bandwidth, measure_floor,
+    FloorRecorder,
+    bandwidth_floor,
+    bytes_read_per_token,
+    measure_bandwidth,
+    measure_floor,
 )
 from tools.bench_peers import (
     PEERS,
@@ -120,6 +134,7 @@ from tools.bench_peers import (
     run_peer,
     token_agreement,
 )
+from tools.bench_plot import plot_result
 from tools.bench_report import print_report
 from tools.checkpoints import PRESETS, random_checkpoint
 
@@ -245,7 +260,9 @@ def longest_request(sessions: Sequence[Session]) -> int:
 
 
 def prompt_token_ids(model_path: str, model_vocab_size: int) -> list[int]:
-    """Ids a random prompt may use: the tokenizer's ordinary tokens, never a special one."""
+    """Ids a random prompt may use: the tokenizer's ordinary tokens, never a special one.
+    Empty for a checkpoint saved without tokenizer files (random weights written by
+    transformers, say), for which transformers makes a tokenizer of special tokens only."""
     location, gguf_file = from_pretrained_arguments(model_path)
     tokenizer = AutoTokenizer.from_pretrained(location, **gguf_file)
     excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
@@ -283,7 +300,8 @@ class EngineRun:
     prefix_hit_tokens: int
     preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
-    speculation: SpeculationStats
+    speculation: SpeculationStats | None  # None: the engine did not speculate
+    per_step: dict[str, list[float]]  # one list per figure, one entry per step
     weight_bytes: int
     read_bytes_per_token: int  # the weights one decode step reads (`bench_floor.py`)
     # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
@@ -360,44 +378,65 @@ def run_engine(
     before = engine.stats()
     task = progress.add_task(description, total=sum(len(s) for s in sessions), tok_s="")
     driver = SessionDriver(engine, sessions, temperature)
-    peak_pages = steps = generated = request_steps = 0
-    start = time.perf_counter()
+    steps = generated = request_steps = 0
+    per_step: dict[str, list[float]] = {name: [] for name in PER_STEP_FIGURES}
+    start = now = time.perf_counter()
     while engine.has_unfinished_requests() or driver.pending:
         driver.submit_arrivals(steps)
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        step_start, scheduled_before = now, timer.scheduled_tokens
         outputs = engine.step()
         steps += 1
         now = time.perf_counter()
+        tokens = 0
         for output in outputs:
             driver.record(output, now, steps)
-            generated += len(output.delta_token_ids)
+            tokens += len(output.delta_token_ids)
             request_steps += bool(output.delta_token_ids)
+        generated += tokens
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
-        peak_pages = max(peak_pages, engine.stats()["pages_used"])
-    wall = time.perf_counter() - start
+        step_figures = (now - step_start, running, timer.scheduled_tokens - scheduled_before,
+                        tokens, engine.stats()["kv_cache"]["pages_used"])
+        for figures, value in zip(per_step.values(), step_figures, strict=True):
+            figures.append(value)
+    wall = now - start
     after = engine.stats()
     return EngineRun(
         records=list(driver.records.values()),
         wall_s=wall,
         steps=steps,
         phase_seconds=dict(timer.seconds),
-        peak_kv_pages=peak_pages,
-        kv_pages_total=after["pages_total"],
-        prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
-        prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
+        peak_kv_pages=int(max(per_step["kv_pages_used"], default=0)),
+        kv_pages_total=after["kv_cache"]["pages_total"],
+        prefix_query_tokens=grown(before, after, "prefix_cache", "query_tokens"),
+        prefix_hit_tokens=grown(before, after, "prefix_cache", "hit_tokens"),
         preemptions={
-            cause: count - before["preemptions_by_cause"][cause]
-            for cause, count in after["preemptions_by_cause"].items()
+            cause: count - before["requests"]["preemptions_by_cause"][cause]
+            for cause, count in after["requests"]["preemptions_by_cause"].items()
         },
         request_steps=request_steps,
         speculation=SpeculationStats(*(
-            after[f"spec_{key}"] - before[f"spec_{key}"]
+            grown(before, after, "speculative", key)
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
-        )),
+        )) if "speculative" in after else None,
+        per_step=per_step,
         weight_bytes=weight_memory_bytes(engine.runner.model),
         read_bytes_per_token=bytes_read_per_token(engine.runner.model),
         outputs=driver.outputs,
     )
+
+
+# What the JSON records of every step, in `run_engine`'s order: its wall time (from the
+# end of the step before, so submitting requests counts), the requests in the engine as
+# it began (running and waiting), the tokens it computed (prompt and decode), the tokens
+# it generated, and the KV pages held by requests after it.
+PER_STEP_FIGURES = ("seconds", "requests", "scheduled_tokens", "output_tokens", "kv_pages_used")
+
+
+def grown(before: dict[str, Any], after: dict[str, Any], group: str, key: str) -> int:
+    """How much a count of `engine.stats()` grew over a run; 0 for a feature that is off."""
+    return after[group][key] - before[group][key] if group in after else 0
 
 
 @dataclass
@@ -450,7 +489,12 @@ def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
 
 
 def tok_s_so_far(tokens: int, seconds: float) -> str:
-    return f"{tokens / seconds:.0f} output tok/s" if seconds > 0 else ""
+    """The rate so far, to two significant digits below 10 (a big model on a CPU may make
+    less than one token a second)."""
+    if seconds <= 0:
+        return ""
+    rate = tokens / seconds
+    return f"{rate:.0f} output tok/s" if rate >= 10 else f"{rate:.2g} output tok/s"
 
 
 # --------------------------------------------------------------------------- summaries
@@ -518,9 +562,10 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "preemptions_by_cause": run.preemptions,
         "steps": run.steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
-        "speculation": run.speculation.as_dict(),
+        **({"speculation": run.speculation.as_dict()} if run.speculation else {}),
         "weight_bytes": run.weight_bytes,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
+        "per_step": run.per_step,
     }
 
 
@@ -676,6 +721,16 @@ def busy_processes(count: int) -> Iterator[None]:
             loop.wait()
 
 
+def check_can_plot() -> None:
+    """Before minutes of benchmarking, not after: is matplotlib there to draw the plot?"""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError(
+            "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
+        ) from None
+
+
 def check_workload(workload: Workload) -> None:
     if workload.num_seqs < 1 or workload.turns < 1:
         raise click.UsageError("--num-seqs and --turns must be at least 1")
@@ -811,7 +866,7 @@ def assemble_result(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help="Hub id or checkpoint directory.")
+@model_option(default=None)
 @click.option(
     "--random-weights",
     default=None,
@@ -888,7 +943,15 @@ def assemble_result(
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write every figure to this file.",
+    help="Write every figure, with the versions, the machine and each step, to this file.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw throughput, where the time goes and TTFT by priority into this image "
+    "(.png, .svg, .pdf); needs matplotlib: pip install -e '.[plot]'.",
 )
 @engine_options
 def main(
@@ -912,13 +975,18 @@ def main(
     background_load: int,
     threads: int | None,
     json_path: Path | None,
+    plot_path: Path | None,
     **engine_option_values: Any,
 ) -> None:
     """Benchmark nanoqwen on a fixed synthetic workload, optionally against transformers."""
+    quiet_library_noise()
     workload = Workload(
         scenario, num_seqs, min_input, max_input, min_output, max_output, turns, seed, temperature
     )
     check_workload(workload)
+    if plot_path is not None:
+        check_can_plot()
+    environment = describe_environment()  # the machine as it was when the run began
     if threads is not None:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
@@ -935,7 +1003,14 @@ def main(
     policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
         engine, _, _ = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
-        token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
+        vocab_size = engine.model_config.vocab_size
+        token_ids = prompt_token_ids(model_dir, vocab_size)
+    if not token_ids:  # the prompts are ids, and the model has them all: text is not needed
+        status_console.print(
+            f"{model_dir} has no tokenizer files: prompts draw from all {vocab_size:,} token "
+            "ids of the model (its vocab_size)", markup=False,
+        )
+        token_ids = list(range(vocab_size))
     sessions = make_sessions(workload, token_ids)
     if scenario == "copy":
         with status_console.status("writing the copy prompts"):
@@ -1019,7 +1094,10 @@ def main(
     result["bandwidth_floor"] = batch_one
     print_report(console, result)
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
+        json_path.write_text(json.dumps({"environment": environment, **result}, indent=2))
+    if plot_path is not None:
+        plot_result(result, plot_path)
+        status_console.print(f"plot written to {plot_path}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ WORKLOADS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

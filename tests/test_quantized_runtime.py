@@ -136,7 +136,8 @@ def test_int4_in_float32_warns_once_and_keeps_full_weights(qwen2_dir: str, caplo
     with caplog.at_level(logging.WARNING, logger="nanoqwen.weights.quantization"):
         llm = quantized_llm(qwen2_dir, "int4")
     assert [record.getMessage() for record in caplog.records] == [
-        "int4 weight-only matmuls are fast only in bfloat16, not float32 (use dtype='bfloat16'); "
+        "int4 weight-only matmuls are fast only in bfloat16, not float32 (run in bfloat16: "
+        "dtype='bfloat16', or --dtype bf16 on the command line); "
         "keeping the linear weights in float32"
     ]
     assert all(type(linear.weight) is nn.Parameter for linear in decoder_linears(llm.engine.runner.model))

@@ -43,22 +43,23 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"KV cache {settings['kv_cache_dtype']}, {settings['threads']} torch threads, "
-        f"{settings['tensor_parallel_size']} rank(s)), "
+        f"KV cache {settings['kv_cache_dtype']}, {plural(settings['threads'], 'torch thread')}, "
+        f"{plural(settings['tensor_parallel_size'], 'rank')}), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
-        f"scheduling, median of {settings['rounds']} round(s)"
-        + (f", {settings['background_load']} busy process(es) beside it"
+        f"scheduling, median of {plural(settings['rounds'], 'round')}"
+        + (f", {plural(settings['background_load'], 'busy process', 'es')} beside it"
            if settings.get("background_load") else "")
     )
     baseline = next((name for name in BASELINE_LABELS if name in result), None)
     console.print(_summary_table(
-        result["nanoqwen"], baseline, result.get(baseline), result.get("speedup")
+        result["nanoqwen"], engine_column(settings), baseline, result.get(baseline),
+        result.get("speedup"),
     ))
     if "no_speculation" in result:
         console.print(_speculation_table(result))
     if "full_precision" in result:
         console.print(_quantization_table(result))
-    console.print(_phase_table(result["nanoqwen"]))
+    console.print(_phase_table(result["nanoqwen"], engine_column(settings)))
     if "policies" in result:
         console.print(_policy_table(result["policies"]))
     if "floor" in result:
@@ -69,14 +70,26 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_decode_table(result["decode"]))
 
 
+def plural(count: int, noun: str, suffix: str = "s") -> str:
+    return f"{count} {noun}" + ("" if count == 1 else suffix)
+
+
+def engine_column(settings: Metrics) -> str:
+    """What the main figures are of: with several scheduling policies, the last one's run
+    (the others are in the policy table)."""
+    policies = settings["scheduling_policies"]
+    return f"nanoqwen, {policies[-1]} policy" if len(policies) > 1 else "nanoqwen"
+
+
 def _summary_table(
-    engine: Metrics, name: str | None, baseline: Metrics | None, speedup: float | None
+    engine: Metrics, column: str, baseline_name: str | None, baseline: Metrics | None,
+    speedup: float | None,
 ) -> Table:
-    """nanoqwen's figures, beside those of the engine `--compare` ran (`name`), if any."""
+    """nanoqwen's figures (`column`), beside those of the engine `--compare` ran, if any."""
     table = Table(title="Throughput and latency")
     table.add_column("metric")
-    for column in ("nanoqwen", *((name, "ratio") if baseline is not None else ())):
-        table.add_column(column, justify="right")
+    for name in (column, *((baseline_name, "ratio") if baseline is not None else ())):
+        table.add_column(name, justify="right")
     for label, key, fmt in THROUGHPUT_ROWS:
         row = [label, fmt.format(engine[key])]
         if baseline is not None:
@@ -107,11 +120,11 @@ def _speculation_table(result: Metrics) -> Table:
         ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
     ))
     figures = spec["speculation"]
-    proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
+    proposed_accepted = f"{figures['proposed_tokens']} / {figures['accepted_tokens']}"
     rows += [
         ("draft tokens proposed / accepted", proposed_accepted, ""),
-        ("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", ""),
-        ("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", ""),
+        ("acceptance rate", f"{figures['acceptance_rate']:.1%}", ""),
+        ("mean accepted length", f"{figures['mean_accepted_length']:.2f}", ""),
         ("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", ""),
     ]
     title = f"Speculative decoding: {method}, {num_tokens} tokens per request"
@@ -154,8 +167,8 @@ def _comparison_table(
     return table
 
 
-def _phase_table(engine: Metrics) -> Table:
-    table = Table(title="Where the time goes (nanoqwen)")
+def _phase_table(engine: Metrics, column: str) -> Table:
+    table = Table(title=f"Where the time goes ({column})")
     for column in ("phase", "total (s)", "per step (ms)", "share of wall time"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for name, phase in engine["phases"].items():

@@ -34,6 +34,7 @@ Where no kernel fits, the weights stay dequantized in the model's dtype, with on
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +49,14 @@ logger = logging.getLogger(__name__)
 
 # int4 group sizes every int4 kernel above takes, largest (fewest scales) first.
 INT4_GROUP_SIZES = (128, 64, 32)
+# What importing torchao logs that says nothing a user can act on, by logger: a warning for
+# each optional CUDA extension a CPU build of torch cannot load, and torch's notice that
+# torchao registers its enums in a way torch has deprecated. The weight-only paths used
+# here need none of those extensions.
+TORCHAO_IMPORT_NOISE = {
+    "torchao": re.compile(r"^Failed to load \S*_C_\w*[.\w-]*\.so\b"),
+    "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported"),
+}
 
 
 def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
@@ -96,7 +105,7 @@ def torchao_config(
     if dtype != torch.bfloat16:
         return None, (
             f"int4 weight-only matmuls are fast only in bfloat16, not {_dtype_name(dtype)} "
-            "(use dtype='bfloat16')"
+            "(run in bfloat16: dtype='bfloat16', or --dtype bf16 on the command line)"
         )
     group_size = int4_group_size(scheme.group_size, in_features)
     if group_size is None:
@@ -171,17 +180,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class DropMatching(logging.Filter):
+    """Drops the records of a logger whose message matches `pattern`; the rest pass."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def torchao_import_noise() -> list[tuple[logging.Logger, DropMatching]]:
+    """A filter for each logger of `TORCHAO_IMPORT_NOISE`, to add to it."""
+    return [
+        (logging.getLogger(name), DropMatching(pattern))
+        for name, pattern in TORCHAO_IMPORT_NOISE.items()
+    ]
+
+
 @contextmanager
 def _quiet_torchao_import() -> Iterator[None]:
-    """torchao tries its optional CUDA extensions on import and logs a warning for each one a
-    CPU build of torch cannot load (and torch one for each of its enums); the weight-only
-    paths used here need none of them."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [each.level for each in loggers]
-    for each in loggers:
-        each.setLevel(logging.ERROR)
+    """Import torchao without `TORCHAO_IMPORT_NOISE` (the command lines drop it for good,
+    as another library's import of torchao sends it too)."""
+    filters = torchao_import_noise()
+    for each, drop in filters:
+        each.addFilter(drop)
     try:
         yield
     finally:
-        for each, level in zip(loggers, levels):
-            each.setLevel(level)
+        for each, drop in filters:
+            each.removeFilter(drop)
