@@ -223,8 +223,8 @@ def test_the_same_memory_holds_more_pages(qwen3_dir: str, name: str, dtype: str)
     assert usable == {"auto": memory // full_page, name: memory // quantized_page}
     # head_dim 32: 3.6 times the float32 pages, 1.8 times the bfloat16 ones.
     assert usable[name] / usable["auto"] == pytest.approx(full_page / quantized_page, rel=0.02)
-    stats = engines[name].stats()
-    assert stats["kv_cache_bytes"] == (usable[name] + 1) * quantized_page <= memory + quantized_page
+    kv_bytes = engines[name].stats()["kv_cache"]["bytes"]
+    assert kv_bytes == (usable[name] + 1) * quantized_page <= memory + quantized_page
 
 
 # ----------------------------------------------------------------- the engine
@@ -241,7 +241,7 @@ def greedy_outputs(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int
     for index, prompt in enumerate(prompts):
         engine.add_request(prompt, greedy(NEW_TOKENS), request_id=str(index))
     outputs = run_to_completion(engine)  # checks the page accounting after every step
-    assert engine.stats()["pages_used"] == 0
+    assert engine.stats()["kv_cache"]["pages_used"] == 0
     return [outputs[str(index)].token_ids for index in range(len(prompts))]
 
 
@@ -250,6 +250,7 @@ def top_two_margin(model_dir: str, tokens: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_greedy_output_agrees_with_full_precision_except_at_near_ties(
@@ -288,6 +289,7 @@ def assert_agrees_except_at_near_ties(
 
 
 # ----------------------------------------------------------------- tensor parallel, drafts
+@pytest.mark.slow
 def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> None:
     """A scale belongs to one (token, KV head), so two ranks holding half the heads each
     store what one device stores, and decode the same tokens."""
@@ -298,12 +300,14 @@ def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> 
     try:
         assert [o.token_ids for o in split.generate(prompts, greedy(8))] == expected
         stats = split.stats()
-        assert stats["kv_cache_bytes"] == 2 * split.engine.runner.kv_cache.nbytes  # both ranks' pools
-        assert stats["pages_used"] == 0
+        # both ranks' pools
+        assert stats["kv_cache"]["bytes"] == 2 * split.engine.runner.kv_cache.nbytes
+        assert stats["kv_cache"]["pages_used"] == 0
     finally:
         split.shutdown()
 
 
+@pytest.mark.slow
 def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -> None:
     memory = 1 << 20
     engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
@@ -324,6 +328,7 @@ def model_64_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_model_64(tmp_path_factory.mktemp("qwen2_64"), num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,7 +353,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     # One byte per number and no scales: four times float32's pages.
     assert engines["fp8_e4m3"].allocator.num_usable_pages == memory // fp8_page
     assert engines["auto"].allocator.num_usable_pages == memory // (4 * fp8_page)
-    assert engines["fp8_e4m3"].stats()["kv_cache_bytes"] == pool.num_pages * fp8_page
+    assert engines["fp8_e4m3"].stats()["kv_cache"]["bytes"] == pool.num_pages * fp8_page
 
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
     full = greedy_outputs(engines["auto"], prompts)

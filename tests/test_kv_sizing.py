@@ -22,7 +22,12 @@ from nanoqwen.attention.flashinfer_backend import FlashInferBackend
 from nanoqwen.attention.torch_backend import TorchBackend, attention_costs
 from nanoqwen.attention.torch_layout import MAX_CALL_BYTES, lay_out
 from nanoqwen.config import EngineConfig
-from nanoqwen.memory.sizing import Overhead, WorstStep
+from nanoqwen.memory.sizing import (
+    CPU_KV_CACHE_FRACTION,
+    Overhead,
+    WorstStep,
+    cpu_kv_memory,
+)
 from nanoqwen.memory.sizing import gpu_kv_memory as kv_budget
 from nanoqwen.runner.cuda_graph import default_buckets
 from nanoqwen.runner.memory_profile import (
@@ -98,6 +103,7 @@ WORKLOADS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -373,3 +379,33 @@ def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(
     # token per request, and would be handed four rows of logits for each.
     with pytest.raises(ValueError, match="logits must be"):
         profile(draft, SpyBackend, [], worst)
+
+
+# ----------------------------------------------------------------- defaults on a CPU
+def test_the_cpu_default_is_what_the_context_needs_within_a_share_of_the_ram() -> None:
+    """Every sequence at full length, capped by a share of the machine's RAM: the same
+    figure whatever happens to be free at start-up."""
+    worst = WorstStep(max_num_seqs=4, chunk_size=16, max_model_len=100)
+    page_bytes = 1000  # 100 tokens = 7 pages of 16
+    needed = 4 * 7 * page_bytes
+    assert cpu_kv_memory(10 * GIB, 1 * GIB, None, worst, 16, page_bytes) == needed
+    assert cpu_kv_memory(10 * GIB, 5 * GIB, None, worst, 16, page_bytes) == needed
+    tiny_ram = needed * 2
+    assert cpu_kv_memory(tiny_ram, 1, None, worst, 16, page_bytes) == CPU_KV_CACHE_FRACTION * tiny_ram
+    # Asked for as a fraction: of what is free.
+    assert cpu_kv_memory(10 * GIB, 4 * GIB, 0.5, worst, 16, page_bytes) == 2 * GIB
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_default_dtype_is_bfloat16_where_the_cpu_has_bf16_arithmetic(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    expected = torch.bfloat16 if native else torch.float32
+    assert EngineConfig(model="m", device="cpu").dtype == expected
+    assert EngineConfig(model="m", device="cpu", dtype="float32").dtype == torch.float32
+    # torch's AVX2 kernels (what the tests run) never take bfloat16 as native.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert EngineConfig(model="m", device="cpu").dtype == torch.float32

@@ -264,9 +264,10 @@ def plan_kv_pages(runners: Sequence[ModelRunner], budget: KVBudget, worst: Worst
         )
         logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / 2**30, overhead)
     else:
-        available = psutil.virtual_memory().available / first.num_ranks_on_host
+        ram, ranks = psutil.virtual_memory(), first.num_ranks_on_host
         memory = cpu_kv_memory(
-            available, budget.fraction_asked, worst, first.settings.page_size, page_bytes
+            ram.total / ranks, ram.available / ranks, budget.fraction_asked, worst,
+            first.settings.page_size, page_bytes,
         )
     return first.min_over_ranks(pages_for(memory, page_bytes))
 

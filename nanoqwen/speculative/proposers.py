@@ -78,20 +78,28 @@ from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
 
 @dataclass
 class SpeculationStats:
-    """What speculation achieved so far, as `LLMEngine.stats()` reports it."""
+    """What speculation achieved so far: the `speculative` group of `LLMEngine.stats()`.
 
-    proposed: int = 0  # draft tokens verified
-    accepted: int = 0  # of them, the ones the target agreed with
-    verifications: int = 0  # request-steps that verified at least one draft
+    | key | meaning |
+    |---|---|
+    | `proposed_tokens` | draft tokens proposed and verified |
+    | `accepted_tokens` | of them, those the target model agreed with |
+    | `verifications` | request-steps that verified at least one draft token |
+    | `acceptance_rate` | `accepted_tokens / proposed_tokens` (0 before any proposal) |
+    | `mean_accepted_length` | tokens per verification: the accepted drafts, plus the target's |
+    """
+
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "spec_proposed_tokens": self.proposed,
-            "spec_accepted_tokens": self.accepted,
-            "spec_verifications": self.verifications,
-            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            # Tokens one verification yields: the accepted drafts, plus the target's own.
-            "spec_mean_accepted_length": (
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "verifications": self.verifications,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_accepted_length": (
                 (self.accepted + self.verifications) / self.verifications
                 if self.verifications
                 else 0.0
@@ -111,6 +119,10 @@ class Proposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+
+    def stats_group(self) -> dict[str, dict[str, Any]]:
+        """`LLMEngine.stats()`'s `speculative` group; none when nothing is ever proposed."""
+        return {"speculative": self.stats.as_dict()} if self.num_speculative_tokens else {}
 
     @property
     def max_proposed(self) -> int:
