@@ -404,7 +404,7 @@ def test_the_draft_models_passes_and_sampling_run_on_its_device(
         engine.add_request(prompt, greedy(6))
     run_to_completion(engine)
     assert set(seen) == {"draw drafts", "draft pass", "draft distribution", "target pass"}
-    assert engine.stats()["spec_proposed_tokens"] > 0
+    assert engine.stats()["speculative"]["proposed_tokens"] > 0
     for name, stacks in seen.items():
         expected = engine.runner.device if name == "target pass" else draft_device
         assert all(stack and set(stack) == {expected} for stack in stacks), (name, stacks)

@@ -13,7 +13,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts
-
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoqwen import LLMEngine
