@@ -34,6 +34,11 @@ inputs, forward, sample and detokenize/bookkeeping, which says where the time go
 
 `--compare hf` runs the same prompts through transformers' `generate` on the same weights
 (`bench_baseline.py`; multi-turn prompts are the ones nanoqwen served, answers included).
+`--compare vllm` and `--compare llamacpp` run them through vLLM (its CPU build on a CPU)
+and llama.cpp (on the same `.gguf` file), each in a process of its own, started with the
+Python of the environment it is installed in (`--peer-python`; `bench_peers.py`), greedy
+with EOS ignored, and report throughput, TTFT, TPOT and the share of nanoqwen's greedy
+tokens each matched.
 `--rounds N` repeats both, alternating: every round builds a fresh engine, runs the
 workload, frees it, then runs transformers. A machine that gets busier or quieter over the
 minutes then disturbs both alike; the report shows the median round of each, and the
@@ -58,6 +63,9 @@ activations, sampling and bookkeeping. The report shows the round with the media
 
 `--random-weights PRESET_OR_CONFIG` benchmarks a random-weights model of a given shape
 (see `checkpoints.py`), for machines that cannot download a checkpoint.
+
+`--json` writes the result with what makes it comparable later (`bench_environment.py`:
+versions, machine, time) and every step of every run; `--plot` draws it (`bench_plot.py`).
 """
 
 from __future__ import annotations
@@ -66,13 +74,18 @@ import gc
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+
+import nanoqwen  # noqa: F401, I001 (first: it sets OpenMP's wait policy before torch loads)
 import torch
 from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
@@ -87,15 +100,41 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
-from nanoqwen.cli import SPECULATIVE_OPTION_NAMES, engine_options, pop_engine_options
+from nanoqwen.cli import (
+    SPECULATIVE_OPTION_NAMES,
+    engine_options,
+    model_option,
+    pop_engine_options,
+    quiet_library_noise,
+)
 from nanoqwen.speculative.proposers import SpeculationStats
 from nanoqwen.weights.checkpoint import resolve_model_path
 from nanoqwen.weights.gguf import from_pretrained_arguments
 from nanoqwen.weights.loader import runtime_quantization
 from nanoqwen.weights.quantization import weight_memory_bytes
 from tools.bench_baseline import run_transformers
-from tools.bench_decode import Observers, PhaseTimer, PoolTooSmall, measure_decode_overhead
-from tools.bench_floor import FloorRecorder, measure_floor
+from tools.bench_decode import (
+    Observers,
+    PhaseTimer,
+    PoolTooSmall,
+    measure_decode_overhead,
+)
+from tools.bench_environment import describe_environment
+from tools.bench_floor import (
+    FloorRecorder,
+    bandwidth_floor,
+    bytes_read_per_token,
+    measure_bandwidth,
+    measure_floor,
+)
+from tools.bench_peers import (
+    PEERS,
+    PeerUnavailable,
+    check_peer,
+    run_peer,
+    token_agreement,
+)
+from tools.bench_plot import plot_result
 from tools.bench_report import print_report
 from tools.checkpoints import PRESETS, random_checkpoint
 
@@ -221,7 +260,9 @@ def longest_request(sessions: Sequence[Session]) -> int:
 
 
 def prompt_token_ids(model_path: str, model_vocab_size: int) -> list[int]:
-    """Ids a random prompt may use: the tokenizer's ordinary tokens, never a special one."""
+    """Ids a random prompt may use: the tokenizer's ordinary tokens, never a special one.
+    Empty for a checkpoint saved without tokenizer files (random weights written by
+    transformers, say), for which transformers makes a tokenizer of special tokens only."""
     location, gguf_file = from_pretrained_arguments(model_path)
     tokenizer = AutoTokenizer.from_pretrained(location, **gguf_file)
     excluded = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
@@ -238,6 +279,7 @@ class RequestTiming:
     prompt_token_ids: list[int]
     output_len: int  # requested
     priority: int
+    position: tuple[int, int]  # (conversation, turn): where its output is in `outputs`
     submitted: float
     submitted_step: int
     first_token: float | None = None
@@ -258,8 +300,10 @@ class EngineRun:
     prefix_hit_tokens: int
     preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
-    speculation: SpeculationStats
+    speculation: SpeculationStats | None  # None: the engine did not speculate
+    per_step: dict[str, list[float]]  # one list per figure, one entry per step
     weight_bytes: int
+    read_bytes_per_token: int  # the weights one decode step reads (`bench_floor.py`)
     # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
     outputs: dict[tuple[int, int], list[int]]
     floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
@@ -314,7 +358,7 @@ class SessionDriver:
         priority = spec.priority if self._use_priorities else 0
         request_id = self.engine.add_request(prompt, params, priority=priority)
         self.records[request_id] = RequestTiming(
-            prompt, spec.output_len, spec.priority, time.perf_counter(), step
+            prompt, spec.output_len, spec.priority, (session, turn), time.perf_counter(), step
         )
         self._position[request_id] = (session, turn)
 
@@ -334,43 +378,65 @@ def run_engine(
     before = engine.stats()
     task = progress.add_task(description, total=sum(len(s) for s in sessions), tok_s="")
     driver = SessionDriver(engine, sessions, temperature)
-    peak_pages = steps = generated = request_steps = 0
-    start = time.perf_counter()
+    steps = generated = request_steps = 0
+    per_step: dict[str, list[float]] = {name: [] for name in PER_STEP_FIGURES}
+    start = now = time.perf_counter()
     while engine.has_unfinished_requests() or driver.pending:
         driver.submit_arrivals(steps)
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        step_start, scheduled_before = now, timer.scheduled_tokens
         outputs = engine.step()
         steps += 1
         now = time.perf_counter()
+        tokens = 0
         for output in outputs:
             driver.record(output, now, steps)
-            generated += len(output.delta_token_ids)
+            tokens += len(output.delta_token_ids)
             request_steps += bool(output.delta_token_ids)
+        generated += tokens
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
-        peak_pages = max(peak_pages, engine.stats()["pages_used"])
-    wall = time.perf_counter() - start
+        step_figures = (now - step_start, running, timer.scheduled_tokens - scheduled_before,
+                        tokens, engine.stats()["kv_cache"]["pages_used"])
+        for figures, value in zip(per_step.values(), step_figures, strict=True):
+            figures.append(value)
+    wall = now - start
     after = engine.stats()
     return EngineRun(
         records=list(driver.records.values()),
         wall_s=wall,
         steps=steps,
         phase_seconds=dict(timer.seconds),
-        peak_kv_pages=peak_pages,
-        kv_pages_total=after["pages_total"],
-        prefix_query_tokens=after["prefix_query_tokens"] - before["prefix_query_tokens"],
-        prefix_hit_tokens=after["prefix_hit_tokens"] - before["prefix_hit_tokens"],
+        peak_kv_pages=int(max(per_step["kv_pages_used"], default=0)),
+        kv_pages_total=after["kv_cache"]["pages_total"],
+        prefix_query_tokens=grown(before, after, "prefix_cache", "query_tokens"),
+        prefix_hit_tokens=grown(before, after, "prefix_cache", "hit_tokens"),
         preemptions={
-            cause: count - before["preemptions_by_cause"][cause]
-            for cause, count in after["preemptions_by_cause"].items()
+            cause: count - before["requests"]["preemptions_by_cause"][cause]
+            for cause, count in after["requests"]["preemptions_by_cause"].items()
         },
         request_steps=request_steps,
         speculation=SpeculationStats(*(
-            after[f"spec_{key}"] - before[f"spec_{key}"]
+            grown(before, after, "speculative", key)
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
-        )),
+        )) if "speculative" in after else None,
+        per_step=per_step,
         weight_bytes=weight_memory_bytes(engine.runner.model),
+        read_bytes_per_token=bytes_read_per_token(engine.runner.model),
         outputs=driver.outputs,
     )
+
+
+# What the JSON records of every step, in `run_engine`'s order: its wall time (from the
+# end of the step before, so submitting requests counts), the requests in the engine as
+# it began (running and waiting), the tokens it computed (prompt and decode), the tokens
+# it generated, and the KV pages held by requests after it.
+PER_STEP_FIGURES = ("seconds", "requests", "scheduled_tokens", "output_tokens", "kv_pages_used")
+
+
+def grown(before: dict[str, Any], after: dict[str, Any], group: str, key: str) -> int:
+    """How much a count of `engine.stats()` grew over a run; 0 for a feature that is off."""
+    return after[group][key] - before[group][key] if group in after else 0
 
 
 @dataclass
@@ -423,7 +489,12 @@ def warm_up(engine: LLMEngine, token_ids: Sequence[int]) -> None:
 
 
 def tok_s_so_far(tokens: int, seconds: float) -> str:
-    return f"{tokens / seconds:.0f} output tok/s" if seconds > 0 else ""
+    """The rate so far, to two significant digits below 10 (a big model on a CPU may make
+    less than one token a second)."""
+    if seconds <= 0:
+        return ""
+    rate = tokens / seconds
+    return f"{rate:.0f} output tok/s" if rate >= 10 else f"{rate:.2g} output tok/s"
 
 
 # --------------------------------------------------------------------------- summaries
@@ -491,9 +562,10 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "preemptions_by_cause": run.preemptions,
         "steps": run.steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
-        "speculation": run.speculation.as_dict(),
+        **({"speculation": run.speculation.as_dict()} if run.speculation else {}),
         "weight_bytes": run.weight_bytes,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
+        "per_step": run.per_step,
     }
 
 
@@ -541,6 +613,44 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def find_peer(name: str, python: str | None, model_dir: str) -> str:
+    try:
+        return check_peer(name, python, model_dir)
+    except PeerUnavailable as error:
+        raise click.UsageError(str(error)) from None
+
+
+def run_peer_round(
+    name: str, python: str, dtype: str, settings: Metrics, reference: EngineRun,
+    console: Console, description: str,
+) -> Metrics:
+    """The requests of nanoqwen's first round through peer `name`: its figures, as
+    nanoqwen's have them, and the share of nanoqwen's greedy tokens it matched."""
+    records = reference.records
+    requests = [(record.prompt_token_ids, record.output_len) for record in records]
+    longest = max(len(prompt) + output_len for prompt, output_len in requests)
+    with console.status(f"{description}: {len(requests)} requests"):
+        try:
+            output = run_peer(
+                name, python, settings["model_dir"], dtype, settings["threads"], longest,
+                requests,
+            )
+        except PeerUnavailable as error:
+            raise click.ClickException(str(error)) from None
+    input_tokens = sum(len(prompt) for prompt, _ in requests)
+    output_tokens = sum(len(tokens) for tokens in output["output_token_ids"])
+    ours = [reference.outputs[record.position] for record in records]
+    return {
+        "engine": output["engine"],
+        "version": output["version"],
+        "dtype": dtype if name == "vllm" else "the file's",
+        **throughput(len(requests), input_tokens, output_tokens, output["wall_s"]),
+        "ttft_ms": latency_ms(output["ttft_s"]),
+        "tpot_ms": latency_ms(output["tpot_s"]),
+        "agreement": token_agreement(ours, output["output_token_ids"]),
+    }
+
+
 def run_baseline(
     settings: Metrics,
     requests: Sequence[tuple[list[int], int]],
@@ -567,6 +677,10 @@ def run_baseline(
 
 
 # --------------------------------------------------------------------------- command line
+# What the report and the JSON call the engine `--compare` runs.
+BASELINE_NAMES = {"hf": "transformers", **{name: peer.label for name, peer in PEERS.items()}}
+
+
 def resolve_model(model: str | None, random_weights: str | None) -> str:
     if (model is None) == (random_weights is None):
         raise click.UsageError("give exactly one of --model and --random-weights")
@@ -593,6 +707,28 @@ def load_engine(
     else:
         engine.observe(timer)
     return engine, timer, recorder
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """`count` processes that keep a core busy each, for as long as the block runs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def check_can_plot() -> None:
+    """Before minutes of benchmarking, not after: is matplotlib there to draw the plot?"""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError(
+            "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
+        ) from None
 
 
 def check_workload(workload: Workload) -> None:
@@ -635,7 +771,7 @@ def companion_options(
     if config.speculative:
         plain = {k: v for k, v in options.items() if k not in SPECULATIVE_OPTION_NAMES}
         companions["no_speculation"] = ("without speculation", plain)
-    weights = runtime_quantization(config.quantization, engine.checkpoint)
+    weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     if weights is not None or config.kv_cache_dtype != "auto":
         full = {**options, "quantization": "none", "kv_cache_dtype": "auto"}
         companions["full_precision"] = ("at full precision", full)
@@ -654,7 +790,7 @@ def run_companions(
 
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
-    weights = runtime_quantization(config.quantization, engine.checkpoint)
+    weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     return {
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
@@ -689,6 +825,7 @@ def assemble_result(
     settings: Metrics,
     rounds_by_policy: dict[str, list[Metrics]],
     baseline_rounds: list[Metrics] | None,
+    baseline_name: str | None,
     decode: Metrics | None,
     plain_rounds: list[Metrics] | None = None,
     floor_rounds: list[Metrics] | None = None,
@@ -706,7 +843,7 @@ def assemble_result(
         }
     rounds: Metrics = {"nanoqwen": engine_rounds}
     for name, others, ratio_name in (
-        ("transformers", baseline_rounds, "speedup"),
+        (baseline_name, baseline_rounds, "speedup"),
         ("no_speculation", plain_rounds, "speculation_speedup"),
         ("full_precision", full_precision_rounds, "quantization_speedup"),
     ):
@@ -729,7 +866,7 @@ def assemble_result(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", default=None, help="Hub id or checkpoint directory.")
+@model_option(default=None)
 @click.option(
     "--random-weights",
     default=None,
@@ -754,9 +891,22 @@ def assemble_result(
 )
 @click.option(
     "--compare",
-    type=click.Choice(["hf"]),
+    type=click.Choice(["hf", *PEERS]),
     default=None,
-    help="Also run transformers' generate, in batches of --max-num-seqs.",
+    help="Also run the same requests through transformers' generate (hf, in batches of "
+         "--max-num-seqs), vLLM or llama.cpp (on a .gguf --model).",
+)
+@click.option(
+    "--peer-python",
+    default=None,
+    metavar="PATH",
+    help="The python of the environment vLLM or llama.cpp is installed in (default: this one).",
+)
+@click.option(
+    "--peer-dtype",
+    default=None,
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="vLLM's dtype (default: nanoqwen's).",
 )
 @click.option(
     "--rounds",
@@ -776,6 +926,13 @@ def assemble_result(
     help="Also replay each round's token schedule through the dense layers alone.",
 )
 @click.option(
+    "--background-load",
+    default=0,
+    type=click.IntRange(min=0),
+    help="Busy processes to run beside the engines while they are timed: how an engine "
+         "fares when it shares its cores.",
+)
+@click.option(
     "--threads",
     type=click.IntRange(min=1),
     default=None,
@@ -786,7 +943,15 @@ def assemble_result(
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write every figure to this file.",
+    help="Write every figure, with the versions, the machine and each step, to this file.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw throughput, where the time goes and TTFT by priority into this image "
+    "(.png, .svg, .pdf); needs matplotlib: pip install -e '.[plot]'.",
 )
 @engine_options
 def main(
@@ -802,18 +967,26 @@ def main(
     turns: int,
     temperature: float,
     compare: str | None,
+    peer_python: str | None,
+    peer_dtype: str | None,
     rounds: int,
     decode_batch: int | None,
     floor: bool,
+    background_load: int,
     threads: int | None,
     json_path: Path | None,
+    plot_path: Path | None,
     **engine_option_values: Any,
 ) -> None:
     """Benchmark nanoqwen on a fixed synthetic workload, optionally against transformers."""
+    quiet_library_noise()
     workload = Workload(
         scenario, num_seqs, min_input, max_input, min_output, max_output, turns, seed, temperature
     )
     check_workload(workload)
+    if plot_path is not None:
+        check_can_plot()
+    environment = describe_environment()  # the machine as it was when the run began
     if threads is not None:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
@@ -823,11 +996,21 @@ def main(
     console, status_console = Console(), Console(stderr=True)
     with status_console.status("preparing the model"):
         model_dir = resolve_model(model, random_weights)
+    if compare in PEERS:
+        with status_console.status(f"looking for {PEERS[compare].label}"):
+            peer_python = find_peer(compare, peer_python, model_dir)
     options = pop_engine_options(engine_option_values)
     policies = COMPARED_POLICIES if scenario == "priority" else (options["scheduling_policy"],)
     with status_console.status("loading the model"):
         engine, _, _ = load_engine(model_dir, {**options, "scheduling_policy": policies[0]})
-        token_ids = prompt_token_ids(model_dir, engine.model_config.vocab_size)
+        vocab_size = engine.model_config.vocab_size
+        token_ids = prompt_token_ids(model_dir, vocab_size)
+    if not token_ids:  # the prompts are ids, and the model has them all: text is not needed
+        status_console.print(
+            f"{model_dir} has no tokenizer files: prompts draw from all {vocab_size:,} token "
+            "ids of the model (its vocab_size)", markup=False,
+        )
+        token_ids = list(range(vocab_size))
     sessions = make_sessions(workload, token_ids)
     if scenario == "copy":
         with status_console.status("writing the copy prompts"):
@@ -840,17 +1023,20 @@ def main(
         **asdict(workload),
         "rounds": rounds,
         "compare": compare,
+        "background_load": background_load,
         "scheduling_policies": list(policies),
         **engine_settings(engine, threads),
     }
     engine.shutdown()
     del engine
     free_memory()
+    with status_console.status("measuring the memory bandwidth"):
+        bandwidth = measure_bandwidth(torch.device(settings["device"]))
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}
     companion_runs: dict[str, list[EngineRun]] = {name: [] for name in companions}
     baseline_rounds: list[Metrics] = []
     decode = None
-    with make_progress(status_console) as progress:
+    with make_progress(status_console) as progress, busy_processes(background_load):
         bench = Bench(model_dir, token_ids, sessions, temperature, floor, progress, status_console)
         for index in range(rounds):
             # Each round has a fresh engine per policy (and one per companion: without
@@ -878,6 +1064,11 @@ def main(
                 requests = [(record.prompt_token_ids, record.output_len) for record in records]
                 description = f"transformers, round {index + 1}"
                 baseline_rounds.append(run_baseline(settings, requests, progress, description))
+            elif compare in PEERS:
+                description = f"{PEERS[compare].label}, round {index + 1}"
+                peer = run_peer_round(compare, peer_python, peer_dtype or settings["dtype"],
+                                      settings, runs[policies[0]][0], status_console, description)
+                baseline_rounds.append(peer)
     rounds_by_policy = {
         policy: [summarize_engine_run(run) for run in policy_runs]
         for policy, policy_runs in runs.items()
@@ -891,14 +1082,22 @@ def main(
     ):
         figures["agreement"] = agreement(run, full)
     floor_rounds = [run.floor for run in runs[policies[-1]] if run.floor is not None] or None
+    median = median_round(rounds_by_policy[policies[-1]])
+    batch_one = bandwidth_floor(
+        runs[policies[-1]][0].read_bytes_per_token, bandwidth, median["tpot_ms"]["p50"]
+    )
     result = assemble_result(
-        settings, rounds_by_policy, baseline_rounds or None, decode,
+        settings, rounds_by_policy, baseline_rounds or None, BASELINE_NAMES.get(compare), decode,
         companion_rounds.get("no_speculation"), floor_rounds,
         companion_rounds.get("full_precision"),
     )
+    result["bandwidth_floor"] = batch_one
     print_report(console, result)
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
+        json_path.write_text(json.dumps({"environment": environment, **result}, indent=2))
+    if plot_path is not None:
+        plot_result(result, plot_path)
+        status_console.print(f"plot written to {plot_path}")
 
 
 if __name__ == "__main__":

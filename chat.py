@@ -11,11 +11,15 @@ while the text streams in, so the reasoning is shown dimmed above the answer; `-
 asks the chat template to skip reasoning (`enable_thinking=False`). The reply kept in the
 conversation is the raw text, tags included: Qwen3's template drops old reasoning itself.
 
+Until the first token a spinner counts the seconds (the prompt's prefill can take a while on
+a CPU). The reply then streams, broken into lines between words (`WordWrapper`).
+
 Ctrl-C during a reply stops it. The interrupt is only noted while the engine works and acted
 on between steps (an exception in the middle of a step could leave the scheduler half
-updated); closing the stream then aborts the request and frees its pages. The interrupted
-reply stays in the conversation as far as it was shown, so the model sees what the user saw.
-Ctrl-C or Ctrl-D at the prompt exits.
+updated); the tokens of the step it interrupted are dropped, and closing the stream aborts
+the request and frees its pages. The interrupted reply stays in the conversation as far as
+it was shown, so the model sees what the user saw. The terminal does not echo "^C" into the
+reply meanwhile. Ctrl-C or Ctrl-D at the prompt exits.
 
 The prompt belongs to the line editor (readline's `input(prompt)`), so editing a line or
 recalling history redraws it instead of wiping it. Typed lines are kept between runs in the
@@ -47,17 +51,26 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import click
 from rich import box
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, RenderableType
 from rich.filesize import decimal
+from rich.live import Live
 from rich.markup import escape
+from rich.spinner import Spinner
 from rich.table import Table
 
 from nanoqwen import LLM, RequestOutput, SamplingParams
-from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.cli import (
+    describe_engine,
+    engine_options,
+    model_option,
+    pop_engine_options,
+    quiet_library_noise,
+)
 from nanoqwen.config import resolve_device
 from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
 from nanoqwen.text.detokenizer import partial_match_length
@@ -68,6 +81,10 @@ try:  # not on every platform; where present, input() gets line editing and hist
     import readline
 except ImportError:
     readline = None
+try:  # POSIX terminals: what the terminal echoes
+    import termios
+except ImportError:
+    termios = None
 
 THINK_START, THINK_END = "<think>", "</think>"
 PROMPT = "[bold cyan]you ›[/] "
@@ -163,7 +180,7 @@ class ReplyStats:
             # The first token's time is prefill, reported separately as time to first token.
             parts.append(f"{(self.generated_tokens - 1) / self.decode_seconds:.1f} tok/s")
         if self.time_to_first_token is not None:
-            parts.append(f"first token {self.time_to_first_token * 1000:.0f} ms")
+            parts.append(f"first token {self.time_to_first_token:.2f} s")
         parts.append(f"{self.cached_tokens}/{self.prompt_tokens} prompt tokens from cache")
         if self.interrupted:
             parts.append("interrupted")
@@ -181,11 +198,87 @@ def deferred_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-class ReplyPrinter:
-    """Prints a reply as it streams: reasoning dimmed (when shown), then the answer."""
+@contextmanager
+def keys_not_echoed(stream: TextIO) -> Iterator[None]:
+    """Within the block the terminal on `stream` echoes no keys: not Ctrl-C as "^C" in the
+    middle of the reply, nor a line typed ahead (the line editor shows that one once the
+    prompt is back)."""
+    if termios is None or not stream.isatty():
+        yield
+        return
+    descriptor = stream.fileno()
+    saved = termios.tcgetattr(descriptor)
+    silent = list(saved)
+    silent[3] &= ~termios.ECHO  # the local modes
+    termios.tcsetattr(descriptor, termios.TCSANOW, silent)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(descriptor, termios.TCSANOW, saved)
 
-    def __init__(self, console: Console, show_thinking: bool) -> None:
+
+class Waiting:
+    """A spinner and the seconds since `start`, redrawn by rich's `Live` until the first
+    token: a long prompt's prefill can take seconds on a CPU."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.spinner = Spinner("dots", style="dim")
+
+    def __rich__(self) -> RenderableType:
+        self.spinner.update(text=f"[dim]thinking… {time.perf_counter() - self.start:.1f} s[/]")
+        return self.spinner
+
+
+class WordWrapper:
+    """Writes streamed text, starting a new line before a word that would not fit on this
+    one: left alone, a terminal breaks lines wherever the edge falls, mid-word.
+
+    Text arrives a token at a time, so the word being written is held back until a space
+    or a newline ends it (or `flush()`), when its width on screen is known. A word wider
+    than the whole line is left to the terminal. Without `wrap` the text passes unchanged.
+    """
+
+    def __init__(self, console: Console, wrap: bool) -> None:
         self.console = console
+        self.wrap = wrap
+        self.column = 0  # cells written on the current line
+        self.word = ""
+        self.style = ""
+
+    def write(self, text: str, style: str = "") -> None:
+        if style != self.style:
+            self.flush()
+            self.style = style
+        for piece in re.split(r"([ \n])", text):
+            if piece in (" ", "\n"):
+                self.flush()
+                self._put(piece)
+            else:
+                self.word += piece
+
+    def flush(self) -> None:
+        """Write the word held back."""
+        word, self.word = self.word, ""
+        if self.wrap and self.column and self.column + cell_len(word) > self.console.width:
+            self._put("\n")
+        self._put(word)
+
+    def _put(self, text: str) -> None:
+        if not text:
+            return
+        if self.wrap and text == " " and self.column >= self.console.width:
+            text = "\n"  # rather than a space at the start of the next line
+        self.console.out(text, style=self.style or None, end="")
+        self.column = 0 if text == "\n" else self.column + cell_len(text)
+
+
+class ReplyPrinter:
+    """Prints a reply as it streams: reasoning dimmed (when shown), then the answer, broken
+    between words when `wrap`; `finish()` writes what is held back."""
+
+    def __init__(self, console: Console, show_thinking: bool, wrap: bool = False) -> None:
+        self.writer = WordWrapper(console, wrap)
         self.show_thinking = show_thinking
         self._after_thinking = False
 
@@ -193,13 +286,16 @@ class ReplyPrinter:
         for segment in segments:
             if segment.thinking:
                 if self.show_thinking:
-                    self.console.out(segment.text, style="dim italic", end="")
+                    self.writer.write(segment.text, style="dim italic")
                     self._after_thinking = True
                 continue
             if self._after_thinking:
-                self.console.out("\n", end="")  # a blank line between reasoning and answer
+                self.writer.write("\n")  # a blank line between reasoning and answer
                 self._after_thinking = False
-            self.console.out(segment.text, end="")
+            self.writer.write(segment.text)
+
+    def finish(self) -> None:
+        self.writer.flush()
 
 
 # --------------------------------------------------------------------------- the session
@@ -254,8 +350,7 @@ class ChatSession:
         never had; a new conversation says plainly what happens.
         """
         if not argument:
-            shown = f"System prompt: {self.system}" if self.system else "No system prompt."
-            self.console.print(shown, markup=False)
+            self.console.print(self._describe_system_prompt(), markup=False)
             return
         self.system = None if argument == CLEAR_SYSTEM else argument
         self.messages = []
@@ -263,6 +358,14 @@ class ChatSession:
             self._notice(f"New conversation with the system prompt: {self.system}")
         else:
             self._notice("New conversation without a system prompt.")
+
+    def _describe_system_prompt(self) -> str:
+        if self.system:
+            return f"System prompt: {self.system}"
+        default = self.llm.engine.tokenizer.default_system_prompt()
+        if default is None:
+            return "No system prompt."
+        return f"No system prompt of yours; the chat template adds its own: {default}"
 
     def reply(self, user_text: str) -> None:
         self.messages.append({"role": "user", "content": user_text})
@@ -283,20 +386,24 @@ class ChatSession:
     def _stream(self, prompt_ids: list[int]) -> tuple[str, ReplyStats]:
         stats = ReplyStats(prompt_tokens=len(prompt_ids))
         splitter = ThinkSplitter()
-        printer = ReplyPrinter(self.console, show_thinking=self.interactive)
+        printer = ReplyPrinter(self.console, show_thinking=self.interactive, wrap=self.interactive)
         text = ""
         start = time.perf_counter()
-        with deferred_interrupt() as interrupted, closing(
-            self.llm.stream(prompt_ids, self.params)
-        ) as stream:
+        waiting = Live(Waiting(start), console=self.console, transient=True)
+        with deferred_interrupt() as interrupted, keys_not_echoed(sys.stdin), (
+            waiting if self.interactive else nullcontext()
+        ), closing(self.llm.stream(prompt_ids, self.params)) as stream:
             for output in stream:
+                if interrupted.is_set():  # during this step: its tokens are not shown
+                    stats.interrupted = True
+                    break  # leaving `closing` aborts the request
+                if output.delta_token_ids:
+                    waiting.stop()
                 stats.record(output, time.perf_counter() - start)
                 printer.print(splitter.feed(output.delta_text))
                 text = output.text
-                if interrupted.is_set():
-                    stats.interrupted = True
-                    break  # leaving `closing` aborts the request
         printer.print(splitter.flush())
+        printer.finish()
         self.console.out("")
         return text, stats
 
@@ -305,15 +412,28 @@ class ChatSession:
             self.console.print(text, style="dim", markup=False)
 
 
-def stats_table(stats: dict[str, Any]) -> Table:
-    table = Table("engine", "value", box=box.SIMPLE, title="Engine stats")
-    for name, value in stats.items():
-        if isinstance(value, dict):  # e.g. finished requests by reason
-            value = ", ".join(f"{key} {count}" for key, count in value.items())
-        elif isinstance(value, float):
-            value = f"{value:.3f}"
-        table.add_row(name, str(value))
+def stats_table(stats: dict[str, dict[str, Any]]) -> Table:
+    """`LLM.stats()` as a table, group by group (nanoqwen/stats.py describes each figure)."""
+    table = Table("group", "figure", "value", box=box.SIMPLE, title="Engine stats")
+    table.columns[2].justify = "right"
+    for group, figures in stats.items():
+        table.add_section()  # a line between groups (none before the first)
+        for index, (name, value) in enumerate(figures.items()):
+            table.add_row(group if index == 0 else "", name, show_figure(name, value))
     return table
+
+
+def show_figure(name: str, value: Any) -> str:
+    """A figure as people read it: sizes in kB/MB/GB, rates in percent, counts by cause."""
+    if isinstance(value, dict):  # e.g. finished requests by reason
+        return ", ".join(f"{key} {count}" for key, count in value.items())
+    if name == "bytes" or name.endswith("_bytes"):
+        return decimal(value)
+    if name.endswith("rate"):
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return f"{value:,}"
 
 
 def read_lines(console: Console, interactive: bool) -> Iterator[str]:
@@ -412,13 +532,10 @@ def sampling_params(llm: LLM, options: dict[str, Any]) -> SamplingParams:
 
 def banner(llm: LLM, model: str, params: SamplingParams, load_seconds: float) -> str:
     """What runs where, how much conversation the KV cache holds, and how replies sample."""
-    config, stats = llm.engine.config, llm.stats()
-    dtype = str(config.dtype).removeprefix("torch.")
     settings = ", ".join(f"{name} {getattr(params, name)}" for name in DEFAULTABLE_SETTINGS)
     return (
-        f"[bold]{escape(model)}[/] on {config.device} ({dtype}) · "
-        f"{stats['pages_total'] * stats['page_size']:,} tokens of KV cache "
-        f"({decimal(stats['kv_cache_bytes'])}) · loaded in {load_seconds:.1f} s\n"
+        f"[bold]{escape(model)}[/] on {escape(describe_engine(llm.engine))} · "
+        f"loaded in {load_seconds:.1f} s\n"
         f"[dim]sampling: {escape(settings)}[/]"
     )
 
@@ -444,8 +561,7 @@ MAX_MODEL_LEN_HELP = (
         "default_map": {"max_num_seqs": 1},
     },
 )
-@click.option("--model", default="Qwen/Qwen3-0.6B",
-              help="Hugging Face hub id or local checkpoint directory.")
+@model_option(default="Qwen/Qwen3-0.6B")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--temperature", type=click.FloatRange(min=0),
               help="0 is greedy. Default: the model's.")
@@ -461,8 +577,10 @@ MAX_MODEL_LEN_HELP = (
 @engine_options
 def main(model: str, system: str | None, no_think: bool, **options: Any) -> None:
     """Chat with a Qwen2/Qwen3 model in the terminal; replies stream as they are generated."""
-    console = Console(highlight=False)
+    quiet_library_noise()
     interactive = sys.stdin.isatty()
+    # Scripted output keeps each line whole, however long; a terminal's is wrapped to fit.
+    console = Console(highlight=False, soft_wrap=not interactive)
     engine = pop_engine_options(options)
     started = time.perf_counter()
     llm = load(model, console, engine)

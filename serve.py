@@ -11,18 +11,25 @@ import logging
 import resource
 import signal
 import threading
+import time
 from typing import Any
 
 import click
 
-from nanoqwen.cli import engine_options, pop_engine_options
+from nanoqwen.cli import (
+    describe_engine,
+    engine_options,
+    model_option,
+    pop_engine_options,
+    quiet_library_noise,
+)
 from nanoqwen.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUE, make_server
 
 logger = logging.getLogger("nanoqwen.serve")
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, help="Hugging Face hub id or local checkpoint directory.")
+@model_option(required=True)
 @click.option("--host", default="127.0.0.1", help="Interface to bind; 0.0.0.0 exposes the server.")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option(
@@ -58,8 +65,10 @@ def main(
 ) -> None:
     """Serve a Qwen2/Qwen3 checkpoint over an OpenAI-compatible HTTP API."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    quiet_library_noise()
     allow_file_descriptors(max_connections)
     logger.info("loading %s", model)
+    started = time.perf_counter()
     try:
         server = make_server(
             model, host, port, served_model_name=served_model_name, api_key=api_key,
@@ -67,8 +76,11 @@ def main(
             max_connections=max_connections, allowed_origins=allowed_origins,
             **pop_engine_options(options),
         )
-    except ValueError as error:  # a setting the engine or the server refuses
-        raise click.ClickException(str(error)) from error
+    except ValueError as error:  # a setting the engine refuses, or a port in use
+        raise click.ClickException(str(error)) from None
+    logger.info(
+        "loaded in %.1f s: %s", time.perf_counter() - started, describe_engine(server.engine)
+    )
     bound_host, bound_port = server.server_address[:2]
     logger.info(
         "serving %s as model %r on http://%s:%d (Ctrl-C stops)",

@@ -1,7 +1,10 @@
-"""The engine's settings as command-line options, shared by chat.py, serve.py and bench.py.
+"""What chat.py, serve.py and bench.py share: the engine's options, and how they speak.
 
-Each option maps to one `EngineConfig` field and shows that field's default in `--help`,
-so the three tools describe the engine the same way and never disagree about a default.
+Each engine option maps to one `EngineConfig` field and shows that field's default in
+`--help`, so the three tools describe the engine the same way and never disagree about a
+default. `describe_engine` is the one line each prints about a loaded engine, and
+`quiet_library_noise` keeps another library's start-up chatter, which no user can act on,
+off their terminals.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from rich.filesize import decimal
 
 from nanoqwen.config import (
     ATTENTION_BACKEND_NAMES,
@@ -22,9 +26,19 @@ from nanoqwen.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
 )
+from nanoqwen.engine import LLMEngine
 from nanoqwen.memory.sizing import CPU_KV_CACHE_FRACTION
+from nanoqwen.weights.quantization import torchao_import_noise
 
 Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+MODEL_HELP = "A Hugging Face hub id, a local checkpoint directory or a .gguf file."
+
+
+def model_option(**settings: Any) -> Callable[[Command], Command]:
+    """`--model`, as every command line takes it."""
+    return click.option("--model", help=MODEL_HELP, **settings)
 
 
 def engine_default(name: str) -> Any:
@@ -34,7 +48,8 @@ def engine_default(name: str) -> Any:
 ENGINE_OPTIONS = [
     click.option("--device", default=None, help="cpu or cuda. Default: cuda when available."),
     click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
-                 help="Weights and KV-cache dtype. Default: bfloat16 on CUDA, float32 on CPU."),
+                 help="Weights and KV-cache dtype. Default: bfloat16 on CUDA and on CPUs with bf16 "
+                      "arithmetic (AVX512-BF16, AMX), float32 on other CPUs."),
     click.option("--max-num-seqs", default=engine_default("max_num_seqs"),
                  type=click.IntRange(min=1), help="Most sequences in one batch."),
     click.option("--max-model-len", default=None, type=click.IntRange(min=1),
@@ -43,8 +58,8 @@ ENGINE_OPTIONS = [
                  help="Tokens per KV-cache page."),
     click.option("--kv-cache-memory", default=None, type=click.FloatRange(min=0, min_open=True),
                  help="KV-cache size: bytes, or a fraction (<= 1) of free memory (GPU or RAM). "
-                      f"Default: what is left on a GPU, {CPU_KV_CACHE_FRACTION:.0%} of "
-                      "available RAM on a CPU."),
+                      "Default: what is left on a GPU; on a CPU, what every sequence at "
+                      f"full length needs, at most {CPU_KV_CACHE_FRACTION:.0%} of the RAM."),
     click.option("--num-pages", default=None, type=click.IntRange(min=1),
                  help="KV-cache size in pages (overrides --kv-cache-memory)."),
     click.option("--chunk-size", default=None, type=click.IntRange(min=1),
@@ -121,3 +136,22 @@ def pop_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     if memory is not None and memory > 1:
         engine["kv_cache_memory"] = int(memory)  # a byte count, not a fraction
     return engine
+
+
+def describe_engine(engine: LLMEngine) -> str:
+    """Where the model runs and how much its KV cache holds, in one line: chat's banner and
+    serve's start-up log."""
+    config, kv = engine.config, engine.stats()["kv_cache"]
+    dtype = str(config.dtype).removeprefix("torch.")
+    ranks = f", {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else ""
+    return (
+        f"{engine.device} ({dtype}{ranks}) · context {engine.max_model_len:,} tokens · "
+        f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})"
+    )
+
+
+def quiet_library_noise() -> None:
+    """Keep torchao's import noise (`TORCHAO_IMPORT_NOISE`) off the terminal for good: the
+    model loaders of transformers import torchao too. Their other messages still show."""
+    for each, drop in torchao_import_noise():
+        each.addFilter(drop)

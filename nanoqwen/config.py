@@ -51,9 +51,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA and float32 on the CPU unless told otherwise."""
+    """Unless told otherwise: bf16 on CUDA, and on a CPU with bf16 arithmetic of its own
+    (AVX512-BF16 or AMX); float32 on other CPUs, which would only emulate bf16, slowly."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native_bf16 = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native_bf16 else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}: use one of float32, bfloat16, float16")
@@ -61,6 +63,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16")
     return DTYPES[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Does this CPU multiply bfloat16 in hardware (AVX512-BF16 or AMX), as vLLM's CPU
+    build requires of its bf16 default? Only if torch uses its AVX512 kernels here:
+    `ATEN_CPU_CAPABILITY=avx2` (torch's own setting) turns both off."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 @dataclass

@@ -55,6 +55,7 @@ from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
 from nanoqwen.scheduling.waiting_queue import check_priority
 from nanoqwen.speculative.proposers import make_proposer
+from nanoqwen.stats import Stats, kv_cache_group, prefix_cache_group, requests_group
 from nanoqwen.text.detokenizer import IncrementalDetokenizer
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
@@ -327,32 +328,15 @@ class LLMEngine:
         self.observer = observer
 
     # ----------------------------------------------------------------- introspection
-    def stats(self) -> dict[str, Any]:
-        pool = self.allocator
-        cached = pool.num_cache_only_pages
-        free = pool.num_free_pages
-        cache = self.cache
-        query = cache.query_tokens if cache else 0
-        hits = cache.hit_tokens if cache else 0
+    def stats(self) -> Stats:
+        """The engine's figures by group: `kv_cache`, `requests`, `tokens`, and one group
+        per optional feature that is on (every key is described in `nanoqwen/stats.py`)."""
         return {
-            "pages_total": pool.num_usable_pages,
-            "pages_free": free,
-            "pages_cached": cached,
-            "pages_used": pool.num_usable_pages - free - cached,
-            "page_size": pool.page_size,
-            "kv_cache_bytes": self.runner.kv_cache_bytes,  # every rank's
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "prefix_query_tokens": query,
-            "prefix_hit_tokens": hits,
-            "prefix_hit_rate": hits / query if query else 0.0,
-            "evicted_pages": cache.evicted_pages if cache else 0,
-            "preemptions": sum(self.scheduler.preemptions.values()),
-            "preemptions_by_cause": dict(self.scheduler.preemptions),
-            "prompt_tokens": self.num_prompt_tokens,
-            "generated_tokens": self.num_generated_tokens,
-            "finished": dict(self.num_finished),
-            **self.proposer.stats.as_dict(),
+            "kv_cache": kv_cache_group(self.allocator, self.runner.kv_cache_bytes),
+            "requests": requests_group(self.scheduler, self.num_finished),
+            "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
+            **prefix_cache_group(self.cache),
+            **self.proposer.stats_group(),
         }
 
     def reset_prefix_cache(self) -> int:

@@ -98,11 +98,14 @@ class EngineStatsCollector(Collector):
 
 
 def engine_families(stats: EngineStats) -> list[Metric]:
+    """The groups of `LLMEngine.stats()` (described in `nanoqwen/stats.py`) as families; a
+    feature that is off has no group, and no families."""
+    kv, requests, tokens = stats["kv_cache"], stats["requests"], stats["tokens"]
     finished = CounterMetricFamily(
         "nanoqwen_requests_finished",
         "Engine requests finished, by reason (stop, length, abort).", labels=["reason"],
     )
-    for reason, count in sorted(stats["finished"].items()):
+    for reason, count in sorted(requests["finished"].items()):
         finished.add_metric([reason], count)
     pages = GaugeMetricFamily(
         "nanoqwen_kv_pages",
@@ -110,51 +113,64 @@ def engine_families(stats: EngineStats) -> list[Metric]:
         "holds them; evictable), free.", labels=["state"],
     )
     for state in ("used", "cached", "free"):
-        pages.add_metric([state], stats[f"pages_{state}"])
+        pages.add_metric([state], kv[f"pages_{state}"])
     preemptions = CounterMetricFamily(
         "nanoqwen_preemptions_by_cause",
         "Running requests preempted, by cause: kv_pages (the KV pool ran out), max_num_seqs "
         "(a more urgent request took the seat).", labels=["cause"],
     )
-    for cause, count in sorted(stats["preemptions_by_cause"].items()):
+    for cause, count in sorted(requests["preemptions_by_cause"].items()):
         preemptions.add_metric([cause], count)
     return [
         finished,
         GaugeMetricFamily("nanoqwen_requests_running", "Requests in the running batch.",
-                          value=stats["running"]),
+                          value=requests["running"]),
         GaugeMetricFamily("nanoqwen_requests_waiting", "Requests queued for admission.",
-                          value=stats["waiting"]),
+                          value=requests["waiting"]),
         CounterMetricFamily("nanoqwen_prompt_tokens", "Prompt tokens received.",
-                            value=stats["prompt_tokens"]),
+                            value=tokens["prompt"]),
         CounterMetricFamily("nanoqwen_generation_tokens", "Tokens generated.",
-                            value=stats["generated_tokens"]),
+                            value=tokens["generated"]),
         pages,
-        CounterMetricFamily("nanoqwen_prefix_cache_query_tokens",
-                            "Prompt tokens looked up in the prefix cache.",
-                            value=stats["prefix_query_tokens"]),
-        CounterMetricFamily("nanoqwen_prefix_cache_hit_tokens",
-                            "Prompt tokens whose KV was reused from the prefix cache.",
-                            value=stats["prefix_hit_tokens"]),
         CounterMetricFamily("nanoqwen_preemptions",
                             "Running requests preempted (pages released, recomputed later).",
-                            value=stats["preemptions"]),
+                            value=requests["preemptions"]),
         preemptions,
-        *(kind(name, f"Speculative decoding: {help}", value=stats[key])
-          for kind, name, help, key in SPECULATION_FAMILIES),
+        *group_families(stats, "prefix_cache", PREFIX_CACHE_FAMILIES, "Prefix cache: "),
+        *group_families(stats, "speculative", SPECULATION_FAMILIES, "Speculative decoding: "),
     ]
 
 
-# (kind, metric name, help, `stats()` key)
-SPECULATION_FAMILIES = (
+def group_families(
+    stats: EngineStats, group: str, families: tuple[FamilySpec, ...], help_prefix: str
+) -> list[Metric]:
+    """One family per figure of an optional `stats()` group; none when the group is absent."""
+    if group not in stats:
+        return []
+    return [
+        kind(name, help_prefix + help, value=stats[group][key])
+        for kind, name, help, key in families
+    ]
+
+
+# (kind, metric name, help, key in its `stats()` group)
+FamilySpec = tuple[type[Metric], str, str, str]
+PREFIX_CACHE_FAMILIES: tuple[FamilySpec, ...] = (
+    (CounterMetricFamily, "nanoqwen_prefix_cache_query_tokens",
+     "prompt tokens looked up.", "query_tokens"),
+    (CounterMetricFamily, "nanoqwen_prefix_cache_hit_tokens",
+     "prompt tokens whose KV was reused.", "hit_tokens"),
+)
+SPECULATION_FAMILIES: tuple[FamilySpec, ...] = (
     (CounterMetricFamily, "nanoqwen_spec_draft_tokens", "draft tokens proposed and verified.",
-     "spec_proposed_tokens"),
+     "proposed_tokens"),
     (CounterMetricFamily, "nanoqwen_spec_accepted_tokens",
-     "draft tokens the target model accepted.", "spec_accepted_tokens"),
+     "draft tokens the target model accepted.", "accepted_tokens"),
     (CounterMetricFamily, "nanoqwen_spec_verifications",
-     "request-steps that verified draft tokens.", "spec_verifications"),
+     "request-steps that verified draft tokens.", "verifications"),
     (GaugeMetricFamily, "nanoqwen_spec_acceptance_rate",
-     "accepted / proposed draft tokens, so far.", "spec_acceptance_rate"),
+     "accepted / proposed draft tokens, so far.", "acceptance_rate"),
     (GaugeMetricFamily, "nanoqwen_spec_mean_accepted_length",
      "tokens per verification (accepted drafts plus the target's own), so far.",
-     "spec_mean_accepted_length"),
+     "mean_accepted_length"),
 )

@@ -1,8 +1,18 @@
-"""Session-wide fixtures: tiny random Qwen2 and Qwen3 checkpoints, built once per run."""
+"""Session-wide fixtures: tiny random Qwen2 and Qwen3 checkpoints, built once per run.
 
-import pytest
+The tests compare against transformers in float32, the CPU's default dtype unless the CPU
+multiplies bfloat16 in hardware. Whatever CPU runs them, they run torch's AVX2 kernels
+(torch's own `ATEN_CPU_CAPABILITY`, set before torch is imported, and inherited by the
+processes the tests start), so the default is float32 everywhere.
+"""
 
-from tools.checkpoints import build_qwen2, build_qwen3
+import os
+
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+import pytest  # noqa: E402
+
+from tools.checkpoints import build_qwen2, build_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="session")

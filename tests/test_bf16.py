@@ -47,6 +47,7 @@ def test_first_step_logits_are_within_the_bf16_bound(engines, model_dir: str) ->
     check_page_accounting(engine)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_up_to_near_ties(engines, model_dir: str) -> None:
     engine = engines[model_dir]
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)

@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import suppress
 from pathlib import Path
+from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -109,8 +110,42 @@ def test_reply_printer_hides_reasoning_unless_asked() -> None:
     segments = [chat.Segment("pondering\n", True), chat.Segment("Answer.", False)]
     for show_thinking, expected in [(False, "Answer."), (True, "pondering\n\nAnswer.")]:
         file = io.StringIO()
-        chat.ReplyPrinter(Console(file=file), show_thinking).print(segments)
+        printer = chat.ReplyPrinter(Console(file=file), show_thinking)
+        printer.print(segments)
+        printer.finish()
         assert file.getvalue() == expected
+
+
+TEXT = (
+    "Streamed text arrives a token at a time, and a terminal left alone breaks lines "
+    "wherever its edge falls.\nA new line starts the count again; averyveryverylongword too."
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_word_wrapper_breaks_lines_between_words(chunk: int) -> None:
+    width = 24
+    file = io.StringIO()
+    writer = chat.WordWrapper(Console(file=file, width=width), wrap=True)
+    for start in range(0, len(TEXT), chunk):
+        writer.write(TEXT[start : start + chunk])
+    writer.flush()
+    lines = file.getvalue().split("\n")
+    assert all(len(line.rstrip()) <= width for line in lines), lines
+    # The same words in the same order, none cut in two, and the text's own break kept.
+    assert file.getvalue().split() == TEXT.split()
+    assert len(lines) > TEXT.count("\n") + 1  # lines were broken
+    assert any(line.rstrip().endswith("falls.") for line in lines)
+    assert any(line.startswith("A new line") for line in lines)
+
+
+def test_word_wrapper_without_wrap_passes_text_unchanged() -> None:
+    file = io.StringIO()
+    writer = chat.WordWrapper(Console(file=file, width=10), wrap=False)
+    for piece in TEXT.split(" "):
+        writer.write(piece + " ")
+    writer.flush()
+    assert file.getvalue() == TEXT + " "
 
 
 def fake_output(new_tokens: int) -> SimpleNamespace:
@@ -124,7 +159,7 @@ def test_status_line_reports_decode_rate_first_token_and_cache() -> None:
     stats.record(fake_output(1), elapsed=0.25)
     stats.record(fake_output(10), elapsed=2.25)
     line = stats.status_line()
-    assert line == "11 tokens · 5.0 tok/s · first token 250 ms · 32/40 prompt tokens from cache"
+    assert line == "11 tokens · 5.0 tok/s · first token 0.25 s · 32/40 prompt tokens from cache"
     stats.interrupted = True
     assert stats.status_line().endswith(" · interrupted")
 
@@ -136,6 +171,60 @@ def test_deferred_interrupt_turns_ctrl_c_into_a_flag() -> None:
         signal.raise_signal(signal.SIGINT)  # would raise KeyboardInterrupt outside the block
         assert pressed.is_set()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_tokens_of_the_step_ctrl_c_interrupts_are_not_shown(qwen3_dir: str) -> None:
+    """Ctrl-C pressed while the engine computes a step: that step's token is not printed
+    (nor counted, nor kept in the conversation), and the request is aborted."""
+    llm, params = oracle(qwen3_dir, max_tokens=50)
+    shown = 3
+
+    def pressed_during_step(prompt: list[int], params: SamplingParams) -> Iterator[Any]:
+        for index, output in enumerate(real_stream(prompt, params)):
+            if index == shown:
+                signal.raise_signal(signal.SIGINT)  # as the user's key lands mid-step
+            yield output
+
+    real_stream = llm.stream
+    llm.stream = pressed_during_step
+    file = io.StringIO()
+    session = chat.ChatSession(llm, params, None, None, Console(file=file), interactive=False)
+    session.reply("hello there friend")
+    prompt = llm.chat_prompt([{"role": "user", "content": "hello there friend"}])
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=shown))[0].text
+    assert file.getvalue() == expected + "\n"
+    assert session.messages[-1] == {"role": "assistant", "content": expected}
+    assert llm.stats()["requests"]["finished"]["abort"] == 1
+
+
+def test_system_command_names_the_templates_own_default(qwen3_dir: str, tmp_path: Path) -> None:
+    """A template that writes a system prompt into conversations without one (Qwen2.5's
+    does): /system says what it writes instead of "No system prompt."."""
+    model = model_copy(qwen3_dir, tmp_path / "model")
+    (Path(model) / "chat_template.jinja").write_text(DEFAULT_SYSTEM_TEMPLATE)
+    result = run_piped([str(CHAT_SCRIPT), "--model", model, "--max-tokens", "4"], ["/system"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        f"No system prompt of yours; the chat template adds its own: {QWEN25_DEFAULT}\n"
+    )
+
+
+# The shape of Qwen2.5's chat template, without tools: its own system prompt when the
+# conversation brings none.
+QWEN25_DEFAULT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>system\\n" + QWEN25_DEFAULT + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (loop.first and message['role'] == 'system') -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -213,7 +302,8 @@ def test_piped_commands_and_messages_that_start_with_a_slash(qwen3_dir: str) -> 
     assert re.search(r"pages_used\s+0\b", table)
     # Nothing after the table (its last row is the engine's last figure): the line after
     # /exit was never answered.
-    assert table.rstrip().splitlines()[-1].split()[0] == list(llm.stats())[-1]
+    *_, last_group = llm.stats().values()
+    assert table.rstrip().splitlines()[-1].split()[0] == list(last_group)[-1]
 
 
 def test_sampling_defaults_come_from_generation_config_and_options_override_them(
@@ -244,6 +334,9 @@ def test_help_says_where_sampling_defaults_come_from() -> None:
     )
     assert result.returncode == 0, result.stderr
     help_text = " ".join(result.stdout.split())  # click wraps lines
+    assert "--model TEXT A Hugging Face hub id, a local checkpoint directory or a .gguf file" in (
+        help_text
+    )
     assert "generation_config.json" in help_text
     for name, value in FALLBACK_SAMPLING.items():
         assert f"{name} {value}" in help_text
@@ -252,13 +345,13 @@ def test_help_says_where_sampling_defaults_come_from() -> None:
 def test_kv_cache_holds_one_conversation_of_max_model_len(qwen3_dir: str) -> None:
     options = chat.one_conversation(qwen3_dir, {"page_size": 4, "max_model_len": 101})
     llm = LLM(qwen3_dir, **options)
-    assert llm.stats()["pages_total"] == 26  # 101 tokens in pages of 4
+    assert llm.stats()["kv_cache"]["pages_total"] == 26  # 101 tokens in pages of 4
     # A conversation of exactly max_model_len tokens fits, with no preemption.
     prompt = list(range(10, 110))
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     output = llm.generate([prompt], params)[0]
     assert len(prompt) + len(output.token_ids) == 101 and output.finish_reason == "length"
-    assert llm.stats()["preemptions"] == 0
+    assert llm.stats()["requests"]["preemptions"] == 0
     # A cache size given in bytes or pages is left to the engine.
     given = chat.one_conversation(qwen3_dir, {"page_size": 4, "kv_cache_memory": 10**6})
     assert "num_pages" not in given
@@ -290,9 +383,11 @@ class Screen:
     def __init__(self) -> None:
         self.screen = pyte.Screen(SCREEN_COLUMNS, SCREEN_ROWS)
         self.stream = pyte.Stream(self.screen)
+        self.transcript = ""  # everything written, what was drawn and erased too
 
     def write(self, text: str) -> None:
         self.stream.feed(text)
+        self.transcript += text
 
     def flush(self) -> None:
         pass
@@ -352,19 +447,19 @@ def interrupt_turn(child: pexpect.spawn, message: str) -> tuple[int, int, int]:
     child.sendintr()
     child.expect(STATUS)
     assert child.match.group(4), "the reply finished before Ctrl-C reached it"
+    assert "^C" not in child.before and "\x03" not in child.before  # no echo in the reply
     generated, cached, prompt = (int(child.match.group(i)) for i in (1, 2, 3))
     child.expect(PROMPT)
     return generated, cached, prompt
 
 
 def engine_stats(child: pexpect.spawn) -> dict[str, str]:
-    """The /stats table as {name: value}; "finished" is the table's last row."""
+    """The /stats table as {figure: value as shown}. A row is a group's name (on its first
+    row only), the figure's, and the value, each apart by two spaces or more."""
     child.sendline("/stats")
-    child.expect(r"finished +(.*?) *\r\n")
-    stats = dict(re.findall(r"^ *(\w+) +(\S+)", child.before, flags=re.MULTILINE))
-    stats["finished"] = child.match.group(1)
     child.expect(PROMPT)
-    return stats
+    row = re.compile(r"^ *(?:\w+ {2,})?(\w+) {2,}(\S.*?) *\r?$", flags=re.MULTILINE)
+    return dict(row.findall(child.before))
 
 
 def test_terminal_session_reuses_the_previous_turn_from_the_cache(qwen3_dir: str) -> None:
@@ -428,9 +523,15 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
     # K and V, per layer and KV head, float32, for the CPU_CONTEXT tokens and the scratch page.
     layers, kv_heads, head_dim, page_size = 2, 2, 32, 4
     kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (chat.CPU_CONTEXT + page_size)
-    assert f"{chat.CPU_CONTEXT:,} tokens of KV cache ({decimal(kv_bytes)})" in banner
+    context = f"{chat.CPU_CONTEXT:,} tokens"
+    assert f"on cpu (float32) · context {context} · KV cache {context} ({decimal(kv_bytes)})" in (
+        banner
+    )
     assert "sampling: temperature 0.0" in banner  # --temperature 0 overrides the fallback
-    assert engine_stats(child)["pages_total"] == str(chat.CPU_CONTEXT // page_size)
+    stats = engine_stats(child)
+    assert stats["pages_total"] == f"{chat.CPU_CONTEXT // page_size:,}"
+    assert stats["bytes"] == decimal(kv_bytes)  # sizes as people read them
+    assert "hit_rate" in stats and "proposed_tokens" not in stats  # no speculation, no row
     child.sendeof()
     child.expect(pexpect.EOF)
 
@@ -501,3 +602,15 @@ def test_line_editing_redraws_the_prompt_and_history_outlives_the_session(
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_spinner_counts_the_seconds_until_the_first_token(qwen3_dir: str) -> None:
+    screen = Screen()
+    child = spawn_chat(qwen3_dir, max_tokens=4, term="xterm", screen=screen)
+    child.sendline("hello there friend")
+    child.expect("from cache")
+    screen.wait_for_edited_line(child, "you › ")
+    assert re.search(r"thinking… \d+\.\d s", screen.transcript)  # drawn while waiting...
+    assert not any("thinking" in row for row in screen.screen.display)  # ...then erased
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)

@@ -23,6 +23,7 @@ from cuda_helpers import (  # noqa: F401 (fixtures)
 from oracle import greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
+from nanoqwen.attention.base import AttentionShape
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
 
@@ -33,7 +34,7 @@ CUDA = torch.device("cuda")
 # handles, the sampler's host copies): room the checks below allow past the budget.
 SLACK = 512 << 20
 
-pytestmark = pytest.mark.usefixtures("empty_gpu")
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("empty_gpu")]
 
 
 def pool_bytes(engine: LLMEngine) -> int:
@@ -125,3 +126,36 @@ def test_an_engine_on_the_second_gpu_leaves_the_first_alone(model_64: str) -> No
     outputs = greedy_outputs(engine, random_prompts(VOCAB, [9, 40], seed=8), 10, in_thread=True)
     assert len(outputs) == 2
     assert torch.cuda.memory_allocated(0) == on_first, "a step allocated on cuda:0"
+
+
+class SmallCalls(TorchBackend):
+    max_call_bytes = 256 << 20
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_the_torch_backend_stays_within_its_stated_bound(kv_dtype: torch.dtype) -> None:
+    """32 decodes at 4,000 tokens beside a 2,048-token chunk over 2,000 cached tokens, in
+    calls of at most 256 MiB: what planning and attending a layer allocate on the GPU stays
+    within `step_memory`, the bound the start-up profile checks and the sizing tests use."""
+    rows = [(3999, 1)] * 32 + [(2000, 2048)]
+    num_pages = 1 + sum(-(-(cached + new) // 16) for cached, new in rows)
+    pool = KVCache(1, 8, 128, 16, num_pages, torch.bfloat16, CUDA, storage_dtype=kv_dtype)
+    inputs = random_step(pool, rows, seed=0)
+    num_tokens = inputs.input_ids.numel()
+    q = torch.randn(num_tokens, 16, 128, dtype=torch.bfloat16, device=CUDA)
+    k, v = torch.randn(2, num_tokens, 8, 128, dtype=torch.bfloat16, device=CUDA)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    backend = SmallCalls(pool, 16, 8, 128)
+    backend.plan(inputs.metadata)
+    out = backend.forward(0, q, k, v)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    bound = SmallCalls.step_memory(
+        AttentionShape(1, 16, 8, 128), 16, torch.bfloat16, kv_dtype,
+        [new for _, new in rows], [cached + new for cached, new in rows],
+    )
+    assert len(backend.padded) > 1, "the step was not sliced"
+    assert peak <= bound + out.nbytes + (1 << 20), (peak, bound)  # + the output, small tensors

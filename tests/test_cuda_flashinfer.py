@@ -30,12 +30,12 @@ from cuda_helpers import (  # noqa: F401 (fixtures)
 from oracle import greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention.flashinfer_backend import FlashInferBackend, check_flashinfer
+from nanoqwen.attention.flashinfer_backend import FlashInferBackend, flashinfer_backend_for
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.weights.checkpoint import read_checkpoint
 
-pytestmark = [needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
+pytestmark = [pytest.mark.cuda, needs_flashinfer, pytest.mark.usefixtures("empty_gpu")]
 
 CUDA = torch.device("cuda")
 VOCAB = 800
@@ -78,9 +78,11 @@ def test_the_kernels_are_built_and_timed_at_start_up(
     model_64: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
-        model_config = read_checkpoint(model_64).model_config
-        assert check_flashinfer(model_config.attention_shape(), 16, torch.bfloat16, torch.bfloat16, CUDA) is None
-    assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
+        shape = read_checkpoint(model_64).model_config.attention_shape()
+        chosen = flashinfer_backend_for(shape, 16, torch.bfloat16, torch.bfloat16, CUDA)
+    assert chosen is FlashInferBackend  # the prefill kernels flashinfer picks built and ran
+    assert any("flashinfer kernels (auto prefill) ready in" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_host_that_cannot_compile_falls_back_to_torch(model_64: str, tmp_path: Path) -> None:
@@ -130,17 +132,20 @@ def test_engine_uses_flashinfer_and_captures_every_bucket(engines) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 17, 30])
-def test_graph_replay_matches_eager(engines, batch_size: int) -> None:
+def test_graph_replay_matches_eager(model_64: str, engines, batch_size: int) -> None:
+    """Replayed and eager decodes both agree with transformers up to bfloat16 near-ties.
+    Not with each other bit for bit: a graph pads its GEMMs' rows to the bucket and plans
+    split-KV for the bucket, which round in other places than an eager step does."""
     graphed, eager = engines
     rng = random.Random(batch_size)
     lengths = [rng.randint(2, 60) for _ in range(batch_size)]
     prompts = random_prompts(VOCAB, lengths, seed=batch_size)
-    outputs = []
+    expected = [hf_greedy_with_logits(model_64, prompt, 12, device="cuda") for prompt in prompts]
     for engine in (graphed, eager):
         ids = [engine.add_request(prompt, greedy(12)) for prompt in prompts]
         final = run_to_completion(engine)
-        outputs.append([final[i].token_ids for i in ids])
-    assert outputs[0] == outputs[1]
+        for request_id, (hf_tokens, hf_logits) in zip(ids, expected):
+            assert_greedy_agrees(final[request_id].token_ids, hf_tokens, hf_logits)
 
 
 def test_replays_allocate_nothing(engines) -> None:
@@ -149,7 +154,7 @@ def test_replays_allocate_nothing(engines) -> None:
         engine.add_request(prompt, greedy(50))
     engine.step()  # the prefill
     inputs = engine.runner.prepare(engine.scheduler.schedule().batch)
-    assert inputs.metadata.batch_size == 8 and engine.runner.decode_graphs.handles(inputs.metadata)
+    assert inputs.metadata.batch_size == 8 and inputs.bucket == 8
     logits = engine.runner.forward(inputs)
     first = logits.clone()
     torch.cuda.synchronize()

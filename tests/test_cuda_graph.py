@@ -116,6 +116,7 @@ def test_bad_buckets_raise(buckets: list) -> None:
 
 
 # ----------------------------------------------------------------- padding and outputs
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 17, 25])
 def test_padded_decodes_match_the_eager_path(
     eager: LLMEngine, bucketed: LLMEngine, batch_size: int, monkeypatch: pytest.MonkeyPatch
@@ -159,6 +160,7 @@ def test_padding_rows_write_only_the_scratch_page(eager: LLMEngine, bucketed: LL
         run_to_completion(engine)
 
 
+@pytest.mark.slow
 def test_requests_joining_and_leaving_change_buckets(
     eager: LLMEngine, bucketed: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,6 +198,7 @@ WORKLOADS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

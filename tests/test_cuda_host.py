@@ -16,8 +16,10 @@ buffer contract, attending like the reference backend; events that log their cal
 
 import io
 import logging
+import re
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import fake_flashinfer
 import pytest
@@ -27,23 +29,32 @@ from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
 from oracle import greedy, random_prompts, run_to_completion
 from rich.console import Console
 
+import nanoqwen
 from nanoqwen import LLMEngine
 from nanoqwen.attention import flashinfer_backend as attention_flashinfer
 from nanoqwen.attention import registry
 from nanoqwen.attention.base import AttentionShape
 from nanoqwen.attention.flashinfer_backend import (
+    DECODE,
+    PREFILL,
     FencedWrapper,
-    check_flashinfer,
+    FlashInferBackend,
+    FlashInferFA2Backend,
+    flashinfer_backend_for,
     flashinfer_unsupported_reason,
     warm_up_kernels,
 )
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.model.config import ModelConfig
+from nanoqwen.model.layers import TensorParallel
+from nanoqwen.parallel.launch import Ranks
 from nanoqwen.runner import runner as runner_module
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
 from nanoqwen.runner.pipeline import StepPipeline
-from nanoqwen.runner.runner import ModelRunner, exact_device
+from nanoqwen.runner.runner import ModelRunner, RunnerSettings, exact_device
+from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
+from nanoqwen.speculative import proposers
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 CUDA = torch.device("cuda")  # only ever compared and passed along here, never used
@@ -110,7 +121,7 @@ def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
     its own wrapper planned into the graph buffers), and decode steps past the largest
     bucket: the same tokens as the reference backend, every plan fenced by its own event."""
     log = fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(registry, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(registry, "flashinfer_backend_for", lambda *args: FlashInferBackend)
     options = dict(device="cpu", dtype="bfloat16", num_pages=300, max_num_seqs=12,
                    decode_buckets=BUCKETS)
     prompts = random_prompts(VOCAB, [3 + 7 * i for i in range(11)], seed=4)
@@ -143,20 +154,23 @@ def test_an_engine_on_flashinfer_stand_ins_matches_the_reference(
 
 
 # ----------------------------------------------------------------- kernel availability
-def test_warm_up_plans_and_runs_a_prefill_and_a_decode(
+def test_warm_up_plans_and_runs_a_decode_and_a_prefill(
     shape: AttentionShape, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = fake_flashinfer.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warm_up_kernels(shape, 1, torch.bfloat16, torch.bfloat16, torch.device("cpu"))  # 1-token pages
+    for num_tokens in (DECODE, PREFILL):  # 1-token pages
+        warm_up_kernels(FlashInferBackend, num_tokens, shape, 1, torch.bfloat16, torch.bfloat16,
+                        torch.device("cpu"))
     wrappers = [(name, who) for name, who in log if name in ("plan", "run")]
     assert [(name, type(who)) for name, who in wrappers] == [
-        ("plan", FakePrefillWrapper), ("run", FakePrefillWrapper),
         ("plan", FakeDecodeWrapper), ("run", FakeDecodeWrapper),
+        ("plan", FakePrefillWrapper), ("run", FakePrefillWrapper),
     ]
-    prefill = wrappers[0][1].planned
+    prefill = wrappers[2][1].planned
     assert prefill["qo_indptr"].tolist() == [0, 2] and prefill["kv_indices"].tolist() == [1, 2]
     assert prefill["shape"] == (shape.num_heads, shape.num_kv_heads, 64, 1)
+    assert wrappers[2][1].backend == "auto"
 
 
 @pytest.fixture
@@ -175,10 +189,13 @@ def test_kernels_are_built_at_start_up_under_a_status_line(
     built = []
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", lambda *args: built.append(args))
     with caplog.at_level(logging.INFO, logger="nanoqwen.attention.flashinfer_backend"):
-        assert check_flashinfer(shape, 16, torch.bfloat16, torch.bfloat16, CUDA) is None
-    assert built == [(shape, 16, torch.bfloat16, torch.bfloat16, CUDA)]
+        chosen = flashinfer_backend_for(shape, 16, torch.bfloat16, torch.bfloat16, CUDA)
+    assert chosen is FlashInferBackend
+    rest = (shape, 16, torch.bfloat16, torch.bfloat16, CUDA)
+    assert built == [(FlashInferBackend, DECODE, *rest), (FlashInferBackend, PREFILL, *rest)]
     assert "compiling flashinfer kernels" in status_screen.getvalue()
-    assert any("flashinfer kernels ready in" in r.getMessage() for r in caplog.records)
+    assert any("flashinfer kernels (auto prefill) ready in" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
@@ -186,8 +203,10 @@ def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     fake_flashinfer.install(monkeypatch)
+    built = []
 
     def failing_build(*args) -> None:
+        built.append(args)
         raise RuntimeError("ninja: build stopped: subcommand failed.\nFAILED: decode.cuda.o\n")
 
     monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", failing_build)
@@ -197,9 +216,75 @@ def test_a_failed_build_falls_back_with_one_warning_naming_the_cause(
     message = record.getMessage()
     assert "RuntimeError: ninja: build stopped" in message and "torch" in message
     assert "\n" not in message
+    # The decode kernels failed: no prefill kernels are tried, FA3's or FA2's.
+    assert [args[:2] for args in built] == [(FlashInferBackend, DECODE)]
     # Asked for by name, flashinfer does not fall back: the user hears why it cannot run.
     with pytest.raises(ValueError, match="ninja: build stopped"):
         choose_backend(shape, name="flashinfer")
+
+
+def warm_up_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, failing_prefills: set[str]
+) -> list[tuple[str, int]]:
+    """Run the warm-up's steps on flashinfer's stand-ins on the CPU (whatever device it is
+    asked for), with the prefill kernels of `failing_prefills` failing to build; return
+    the (backend class, new tokens) of each warm-up."""
+    fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    plan = FakePrefillWrapper.plan
+
+    def prefill_plan(wrapper: FakePrefillWrapper, *args, **kwargs) -> None:
+        if wrapper.backend in failing_prefills:
+            raise RuntimeError(f"ninja: build stopped: {wrapper.backend} prefill failed\n...")
+        plan(wrapper, *args, **kwargs)
+
+    monkeypatch.setattr(FakePrefillWrapper, "plan", prefill_plan)
+    warmed_up = []
+
+    def on_the_cpu(backend_class, num_tokens, *args) -> None:
+        warmed_up.append((backend_class.__name__, num_tokens))
+        warm_up_kernels(backend_class, num_tokens, *args[:-1], torch.device("cpu"))
+
+    monkeypatch.setattr(attention_flashinfer, "warm_up_kernels", on_the_cpu)
+    return warmed_up
+
+
+def test_a_failed_fa3_prefill_build_retries_with_fa2(
+    shape: AttentionShape, model_dir: str, monkeypatch: pytest.MonkeyPatch,
+    status_screen: io.StringIO, caplog: pytest.LogCaptureFixture,
+) -> None:
+    warmed_up = warm_up_on_the_cpu(monkeypatch, failing_prefills={"auto"})
+    with caplog.at_level(logging.WARNING):
+        assert choose_backend(shape) is FlashInferFA2Backend
+    assert warmed_up == [("FlashInferBackend", DECODE), ("FlashInferBackend", PREFILL),
+                         ("FlashInferFA2Backend", PREFILL)]
+    [record] = caplog.records
+    assert "auto prefill failed" in record.getMessage() and "FA2" in record.getMessage()
+    # The engine then plans its prefills on FA2's kernels and serves as the reference does.
+    monkeypatch.setattr(registry, "flashinfer_backend_for", lambda *args: FlashInferFA2Backend)
+    options = dict(device="cpu", dtype="bfloat16", num_pages=64, enforce_eager=True)
+    prompts = random_prompts(VOCAB, [3, 9, 20], seed=5)
+    outputs = []
+    for backend in ("flashinfer", "reference"):
+        engine = LLMEngine(model_dir, attention_backend=backend, **options)
+        ids = [engine.add_request(prompt, greedy(4)) for prompt in prompts]
+        final = run_to_completion(engine)
+        outputs.append([final[i].token_ids for i in ids])
+        if backend == "flashinfer":
+            assert engine.runner.backend.prefill_wrapper.wrapper.backend == "fa2"
+    assert outputs[0] == outputs[1]
+
+
+def test_when_fa2_fails_too_the_first_failure_is_the_cause(
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, status_screen: io.StringIO,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    warmed_up = warm_up_on_the_cpu(monkeypatch, failing_prefills={"auto", "fa2"})
+    with caplog.at_level(logging.WARNING):
+        assert choose_backend(shape) is TorchBackend
+    assert warmed_up[-1] == ("FlashInferFA2Backend", PREFILL)
+    [record] = caplog.records
+    assert "auto prefill failed" in record.getMessage() and "falling back" in record.getMessage()
 
 
 def test_the_cpu_uses_the_torch_backend_without_building_anything(
@@ -275,8 +360,174 @@ def test_start_up_and_every_step_run_on_the_models_device(
         assert all(stack == [engine.runner.device] for stack in stacks), name
 
 
+def test_the_draft_models_passes_and_sampling_run_on_its_device(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine asks its proposer for drafts outside the target runner's device context,
+    from whichever thread steps it: the draft runner makes its own device current for its
+    passes and for sampling the drafts (its events and generators belong to it)."""
+    engine = LLMEngine(model_dir, device="cpu", num_pages=64, draft_model=model_dir,
+                       num_speculative_tokens=2)
+    draft_runner = engine.proposer.runner
+    # The draft's runner told apart from the target's: what it makes current is noted as
+    # another device (its tensors stay where they are).
+    draft_device = torch.device("cpu", 1)
+    monkeypatch.setattr(draft_runner, "device", draft_device)
+    current: list[torch.device] = []
+
+    @contextmanager
+    def recording_device(device: torch.device):
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    seen: dict[str, list[list[torch.device]]] = {}
+
+    def spy(name: str, function):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, []).append(list(current))
+            return function(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(runner_module, "on_device", recording_device)
+    monkeypatch.setattr(proposers, "on_device", recording_device)
+    monkeypatch.setattr(proposers, "draw", spy("draw drafts", proposers.draw))
+    monkeypatch.setattr(draft_runner.pipeline, "forward",
+                        spy("draft pass", draft_runner.pipeline.forward))
+    monkeypatch.setattr(draft_runner.sampler, "distribution",
+                        spy("draft distribution", draft_runner.sampler.distribution))
+    monkeypatch.setattr(engine.runner.pipeline, "forward",
+                        spy("target pass", engine.runner.pipeline.forward))
+    for prompt in random_prompts(VOCAB, [5, 11], seed=1):
+        engine.add_request(prompt, greedy(6))
+    run_to_completion(engine)
+    assert set(seen) == {"draw drafts", "draft pass", "draft distribution", "target pass"}
+    assert engine.stats()["speculative"]["proposed_tokens"] > 0
+    for name, stacks in seen.items():
+        expected = engine.runner.device if name == "target pass" else draft_device
+        assert all(stack and set(stack) == {expected} for stack in stacks), (name, stacks)
+
+
 def test_cuda_names_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert exact_device(torch.device("cuda")) == torch.device("cuda", 3)
     assert exact_device(torch.device("cuda:1")) == torch.device("cuda", 1)
     assert exact_device(torch.device("cpu")) == torch.device("cpu")
+
+
+# ----------------------------------------------------------------- host-to-device copies
+def test_a_step_reaches_the_gpu_in_copies_that_do_not_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split model's ranks receive each step on the host (rank 0 lays it out there, to
+    send it): every tensor goes to the GPU from pinned memory, without blocking, so the
+    host never waits for the GPU to finish the step before."""
+    builder = StepInputsBuilder(4)
+    builder.add_row([5, 6, 7], 0, [1], num_sampled=1)
+    builder.add_row([8], 9, [2, 3, 4], num_sampled=1)
+    laid_out = builder.build(torch.device("cpu"), [], [])
+    received = StepInputs.from_wire(laid_out.to_wire())
+    pinned: list[torch.Tensor] = []
+    copies: list[tuple[bool, bool]] = []  # (from pinned memory, non-blocking)
+    to = torch.Tensor.to
+
+    def pin_memory(tensor: torch.Tensor) -> torch.Tensor:
+        pinned.append(tensor.clone())
+        return pinned[-1]
+
+    def recording_to(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            copies.append((any(tensor is p for p in pinned), kwargs.get("non_blocking", False)))
+            return tensor
+        return to(tensor, *args, **kwargs)
+
+    for step in (laid_out, received):
+        copies.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "pin_memory", pin_memory)
+            patch.setattr(torch.Tensor, "to", recording_to)
+            on_gpu = step.to(CUDA)
+        assert len(copies) == 8 and set(copies) == {(True, True)}
+        # The host copies of the page table stay on the host, for backends that plan there.
+        assert on_gpu.metadata.kv_indptr_host.tolist() == [0, 1, 4]
+
+
+# ----------------------------------------------------------------- a split model
+def test_a_split_model_warms_up_the_kernels_of_its_ranks_heads(
+    model_dir: str, model_config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2 of a model with 4 query heads and 1 KV head holds 2 query heads and the
+    (replicated) KV head. flashinfer builds a decode kernel per query group size, so the
+    warm-up must build that rank's (2 per KV head), not the whole model's (4)."""
+    fake_flashinfer.install(monkeypatch)
+    warmed_up: list[AttentionShape] = []
+
+    def warm_up(shape: AttentionShape, *args) -> type:
+        warmed_up.append(shape)
+        return FlashInferBackend
+
+    monkeypatch.setattr(registry, "flashinfer_backend_for", warm_up)
+    settings = RunnerSettings(
+        device=torch.device("cpu"), dtype=torch.bfloat16, page_size=16, max_model_len=256,
+        max_num_seqs=4, kv_storage_dtype=torch.bfloat16, attention_backend="flashinfer",
+    )
+    runner = ModelRunner(read_checkpoint(model_dir), settings, Ranks(tp=TensorParallel(1, 2)))
+    whole = model_config.attention_shape()
+    assert (whole.num_heads, whole.num_kv_heads) == (4, 1)
+    assert warmed_up == [AttentionShape(whole.num_layers, 2, 1, whole.head_dim)]
+    assert runner.shape == warmed_up[0]
+
+
+# ----------------------------------------------------------------- graph capture
+class FakeStream:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+
+class FakeGraph:
+    def pool(self) -> tuple[int, int]:
+        return (id(self), 0)
+
+
+def test_every_capture_records_on_a_stream_of_the_runners_own_device(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's default capture stream is created once per process, on whichever device
+    captured first: a runner on a second GPU must name a stream of its own device."""
+    engine = LLMEngine(model_dir, device="cpu", num_pages=64, decode_buckets=[1, 2, 4])
+    graphs = engine.runner.decode_graphs
+    captures: list[tuple[FakeGraph, object, FakeStream | None]] = []
+
+    @contextmanager
+    def capturing(graph: FakeGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+        captures.append((graph, pool, stream))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr("nanoqwen.runner.cuda_graph.can_capture", lambda *args: True)
+    engine.runner.pipeline.capture_graphs()
+    assert len(captures) == 3 and sorted(graphs.graphs) == [1, 2, 4]
+    streams = {id(stream) for _, _, stream in captures}
+    assert len(streams) == 1, "every bucket captures on the same stream"
+    stream = captures[0][2]
+    assert isinstance(stream, FakeStream) and stream.device == engine.runner.device
+    # Largest bucket first, and the smaller ones share its memory pool.
+    assert [graph for graph, _, _ in captures] == [graphs.graphs[b] for b in (4, 2, 1)]
+    assert [pool for _, pool, _ in captures] == [None, captures[0][0].pool(), captures[1][0].pool()]
+
+
+def test_every_graph_capture_in_the_source_names_its_stream() -> None:
+    root = Path(nanoqwen.__file__).parent
+    calls = [
+        (path.name, call)
+        for path in root.rglob("*.py")
+        for call in re.findall(r"torch\.cuda\.graph\(([^)]*)\)", path.read_text())
+    ]
+    assert calls, "no capture found"
+    assert all("stream=" in call for _, call in calls), calls

@@ -42,7 +42,7 @@ def test_embeddings_match_transformers(model_dir: str) -> None:
     [again] = llm.embed(TEXTS[1])
     assert again.num_cached_tokens > 0
     assert again.embedding == pytest.approx(outputs[1].embedding, abs=1e-5)
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats()["kv_cache"]["pages_used"] == 0
     [one_token] = llm.embed([[5]])
     assert torch.tensor(one_token.embedding) == pytest.approx(reference(model_dir, [5]), abs=1e-5)
 
@@ -60,7 +60,8 @@ def test_embeddings_share_batches_with_generation(qwen3_dir: str) -> None:
     assert finished[generating].token_ids == alone.token_ids
     alone_vector = llm.embed(TEXTS[0])[0].embedding
     assert finished[embedding].embedding == pytest.approx(alone_vector, abs=1e-5)
-    assert engine.stats()["generated_tokens"] == 2 * len(alone.token_ids)  # no token for embeddings
+    # no token for embeddings
+    assert engine.stats()["tokens"]["generated"] == 2 * len(alone.token_ids)
 
 
 def test_embedding_requests_are_not_speculated(qwen3_dir: str) -> None:
@@ -70,7 +71,7 @@ def test_embedding_requests_are_not_speculated(qwen3_dir: str) -> None:
     speculative = LLM(qwen3_dir, speculative="ngram", **ENGINE)
     got = speculative.embed([repetitive])[0].embedding
     assert got == pytest.approx(expected, abs=1e-5)
-    assert speculative.stats()["spec_proposed_tokens"] == 0
+    assert speculative.stats()["speculative"]["proposed_tokens"] == 0
 
 
 def test_embeddings_route(qwen3_dir: str) -> None:

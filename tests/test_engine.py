@@ -33,6 +33,7 @@ def vocab(llm: LLM) -> int:
     return llm.engine.model_config.vocab_size
 
 
+@pytest.mark.slow
 def test_greedy_batch_matches_transformers(llm: LLM, model_dir: str) -> None:
     prompts = random_prompts(vocab(llm), MIXED_LENGTHS, seed=1)
     outputs = llm.generate(prompts, greedy(32))
@@ -70,7 +71,7 @@ def test_a_failing_step_names_its_requests_and_leaves_them_in_the_engine(
     for request_id in ids:
         assert engine.abort(request_id).finish_reason == "abort"
     check_page_accounting(engine)
-    assert engine.stats()["pages_used"] == 0
+    assert engine.stats()["kv_cache"]["pages_used"] == 0
 
 
 def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
@@ -89,6 +90,7 @@ def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
     check_page_accounting(engine)
 
 
+@pytest.mark.slow
 def test_output_is_independent_of_batch(llm: LLM) -> None:
     probe = random_prompts(vocab(llm), [45], seed=3)[0]
     others = random_prompts(vocab(llm), [5 + 9 * i for i in range(31)], seed=4)
@@ -204,8 +206,8 @@ def test_closing_a_stream_aborts_and_frees_pages(llm: LLM) -> None:
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished_requests()
-    assert llm.stats()["pages_used"] == 0
-    assert llm.stats()["finished"]["abort"] >= 1
+    assert llm.stats()["kv_cache"]["pages_used"] == 0
+    assert llm.stats()["requests"]["finished"]["abort"] >= 1
 
 
 def test_a_stream_can_be_closed_while_its_prompt_is_prefilled(model_dir: str) -> None:
@@ -217,7 +219,7 @@ def test_a_stream_can_be_closed_while_its_prompt_is_prefilled(model_dir: str) ->
     assert llm.engine.scheduler.running[0].num_computed_tokens == 48
     stream.close()
     assert not llm.engine.has_unfinished_requests()
-    assert llm.stats()["pages_used"] == 0
+    assert llm.stats()["kv_cache"]["pages_used"] == 0
 
     # Left to run, the stream yields once per step: 7 chunks (the last one samples the
     # first token), then 9 decodes.
@@ -296,8 +298,8 @@ def test_stats_report_the_kv_cache_size(qwen3_dir: str) -> None:
     config = llm.engine.model_config
     stats = llm.stats()
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # K+V, float32
-    assert stats["kv_cache_bytes"] == 40 * 8 * per_token
-    assert stats["pages_total"] == 39  # one page is the scratch page
+    assert stats["kv_cache"]["bytes"] == 40 * 8 * per_token
+    assert stats["kv_cache"]["pages_total"] == 39  # one page is the scratch page
 
 
 def test_a_failing_step_still_hands_over_what_it_finished(
@@ -323,3 +325,19 @@ def test_a_failing_step_still_hands_over_what_it_finished(
     monkeypatch.undo()
     engine.abort(newcomer)
     check_page_accounting(engine)
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_importing_nanoqwen_makes_openmp_threads_wait_passively(given: str | None) -> None:
+    """Set before torch loads OpenMP (which reads it once), unless the environment chose."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = "import nanoqwen, os, sys; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.split() == [given or "PASSIVE", "True"], out.stderr

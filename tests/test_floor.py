@@ -55,6 +55,7 @@ def install(engine: LLMEngine) -> tuple[FloorRecorder, PhaseTimer]:
     return recorder, timer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_runs_the_engines_schedule(model_dir: str, dtype: str) -> None:
     # Chunked prefills, decodes and steps mixing both; some steps sample nothing.
@@ -103,6 +104,7 @@ def test_padding_rows_stay_out_of_the_schedule(qwen3_dir: str) -> None:
     assert recorder.steps == [StepShape(16, 3), StepShape(3, 3), StepShape(3, 3)]
 
 
+@pytest.mark.slow
 def test_floor_figures_add_up(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_SHAPE))

@@ -195,7 +195,9 @@ def test_the_torch_backend_gathers_a_quantized_pool_s_decodes() -> None:
     backend = TorchBackend(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)
     assert backend.decodes is None  # no sparse product over one-byte codes
-    assert backend.padded is not None and backend.padded.output_rows.tolist() == [0, 13]
+    # Gathered and padded, in a group of their own (not padded to the prompt's length).
+    [decodes] = backend.padded
+    assert decodes.output_rows.tolist() == [0, 13] and decodes.mask.shape[2] == 1
 
 
 # ----------------------------------------------------------------- sizing
@@ -221,8 +223,8 @@ def test_the_same_memory_holds_more_pages(qwen3_dir: str, name: str, dtype: str)
     assert usable == {"auto": memory // full_page, name: memory // quantized_page}
     # head_dim 32: 3.6 times the float32 pages, 1.8 times the bfloat16 ones.
     assert usable[name] / usable["auto"] == pytest.approx(full_page / quantized_page, rel=0.02)
-    stats = engines[name].stats()
-    assert stats["kv_cache_bytes"] == (usable[name] + 1) * quantized_page <= memory + quantized_page
+    kv_bytes = engines[name].stats()["kv_cache"]["bytes"]
+    assert kv_bytes == (usable[name] + 1) * quantized_page <= memory + quantized_page
 
 
 # ----------------------------------------------------------------- the engine
@@ -239,7 +241,7 @@ def greedy_outputs(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int
     for index, prompt in enumerate(prompts):
         engine.add_request(prompt, greedy(NEW_TOKENS), request_id=str(index))
     outputs = run_to_completion(engine)  # checks the page accounting after every step
-    assert engine.stats()["pages_used"] == 0
+    assert engine.stats()["kv_cache"]["pages_used"] == 0
     return [outputs[str(index)].token_ids for index in range(len(prompts))]
 
 
@@ -248,6 +250,7 @@ def top_two_margin(model_dir: str, tokens: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_greedy_output_agrees_with_full_precision_except_at_near_ties(
@@ -286,6 +289,7 @@ def assert_agrees_except_at_near_ties(
 
 
 # ----------------------------------------------------------------- tensor parallel, drafts
+@pytest.mark.slow
 def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> None:
     """A scale belongs to one (token, KV head), so two ranks holding half the heads each
     store what one device stores, and decode the same tokens."""
@@ -296,12 +300,14 @@ def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> 
     try:
         assert [o.token_ids for o in split.generate(prompts, greedy(8))] == expected
         stats = split.stats()
-        assert stats["kv_cache_bytes"] == 2 * split.engine.runner.kv_cache.nbytes  # both ranks' pools
-        assert stats["pages_used"] == 0
+        # both ranks' pools
+        assert stats["kv_cache"]["bytes"] == 2 * split.engine.runner.kv_cache.nbytes
+        assert stats["kv_cache"]["pages_used"] == 0
     finally:
         split.shutdown()
 
 
+@pytest.mark.slow
 def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -> None:
     memory = 1 << 20
     engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
@@ -322,6 +328,7 @@ def model_64_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_model_64(tmp_path_factory.mktemp("qwen2_64"), num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -334,7 +341,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     outputs part earlier than with a scale per vector (on some prompts at the first token),
     but only where float32 itself nearly hesitated."""
     log = fake_flashinfer.install(monkeypatch)
-    monkeypatch.setattr(registry, "check_flashinfer", lambda *args: None)
+    monkeypatch.setattr(registry, "flashinfer_backend_for", lambda *args: FlashInferBackend)
     monkeypatch.setattr(attention_flashinfer, "flashinfer_unsupported_reason", lambda *args: None)
     memory = 400_000
     options = dict(attention_backend="flashinfer", kv_cache_memory=memory)
@@ -346,7 +353,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     # One byte per number and no scales: four times float32's pages.
     assert engines["fp8_e4m3"].allocator.num_usable_pages == memory // fp8_page
     assert engines["auto"].allocator.num_usable_pages == memory // (4 * fp8_page)
-    assert engines["fp8_e4m3"].stats()["kv_cache_bytes"] == pool.num_pages * fp8_page
+    assert engines["fp8_e4m3"].stats()["kv_cache"]["bytes"] == pool.num_pages * fp8_page
 
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
     full = greedy_outputs(engines["auto"], prompts)
@@ -376,13 +383,14 @@ def test_on_cuda_fp8_builds_flashinfer_s_fp8_kernels_and_int8_falls_back_with_a_
         return attention_backend_class(None, shape, 16, torch.bfloat16, kv_dtype, cuda)
 
     assert choose(torch.float8_e4m3fn) is FlashInferBackend
-    assert [args[3] for args in built] == [torch.float8_e4m3fn]
+    assert [args[5] for args in built] == [torch.float8_e4m3fn] * 2  # a decode, a prefill
     with caplog.at_level(logging.WARNING):
         assert choose(torch.int8) is TorchBackend
     [warning] = [record.getMessage() for record in caplog.records]
-    assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 1
+    assert "fp8_e4m3, not torch.int8; falling back" in warning and len(built) == 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [[(0, 9), (17, 1)], [(40, 1), (3, 1), (30, 1)], [(20, 7), (5, 1)]])
 def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) -> None:
@@ -409,6 +417,7 @@ def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) 
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_fp8_runs_on_flashinfer_and_int8_on_the_torch_backend(
     model_64_dir: str, caplog: pytest.LogCaptureFixture

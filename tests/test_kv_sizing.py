@@ -13,14 +13,30 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.memory.sizing import Overhead, WorstStep
+from nanoqwen.attention.base import AttentionShape
+from nanoqwen.attention.flashinfer_backend import FlashInferBackend
+from nanoqwen.attention.torch_backend import TorchBackend, attention_costs
+from nanoqwen.attention.torch_layout import MAX_CALL_BYTES, lay_out
+from nanoqwen.config import EngineConfig
+from nanoqwen.memory.sizing import (
+    CPU_KV_CACHE_FRACTION,
+    Overhead,
+    WorstStep,
+    cpu_kv_memory,
+)
 from nanoqwen.memory.sizing import gpu_kv_memory as kv_budget
-from nanoqwen.runner.memory_profile import profile_overhead, worst_step
-from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.runner.cuda_graph import default_buckets
+from nanoqwen.runner.memory_profile import (
+    profile_overhead,
+    worst_step,
+    worst_step_attention_bytes,
+)
+from nanoqwen.runner.runner import ModelRunner, measure_overheads, worst_steps
 from nanoqwen.scheduling.batch import ScheduledBatch
+from tools.checkpoints import PRESETS
 
 GIB = 2**30
 VOCAB = 800
@@ -86,6 +102,7 @@ WORKLOADS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -144,6 +161,9 @@ class NoCounters:
 
     def peak(self) -> int:
         return 0
+
+    def free(self) -> int:
+        return 2**60
 
 
 LIMITS_OF_WORST = (LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_model_len"])
@@ -212,3 +232,179 @@ class OutOfMemoryBackend(TorchBackend):
 def test_a_step_that_cannot_fit_says_what_to_change(small_engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="OutOfMemoryBackend.*lower max_num_seqs"):
         profile(small_engine.runner, OutOfMemoryBackend, [])
+
+
+# ----------------------------------------------------------------- at a GPU's scale
+DEVICE_BYTES = 80 * 10**9  # an 80 GB H100
+QWEN3_06B = AttentionShape(
+    PRESETS["qwen3-0.6b"]["num_hidden_layers"], PRESETS["qwen3-0.6b"]["num_attention_heads"],
+    PRESETS["qwen3-0.6b"]["num_key_value_heads"], PRESETS["qwen3-0.6b"]["head_dim"],
+)
+
+
+@pytest.fixture(scope="module")
+def cuda_defaults() -> EngineConfig:
+    """The engine's default settings on a GPU (read here, where there is none)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        return EngineConfig(model="unused", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b_weight_bytes() -> int:
+    preset = {key: value for key, value in PRESETS["qwen3-0.6b"].items() if key != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **preset))
+    return sum(parameter.numel() for parameter in model.parameters()) * torch.bfloat16.itemsize
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["alone", "with-a-draft-model"])
+@pytest.mark.parametrize(
+    "backend_class, kv_dtype",
+    [(FlashInferBackend, torch.bfloat16), (TorchBackend, torch.bfloat16),
+     (TorchBackend, torch.int8)],
+    ids=["flashinfer", "torch-fallback", "torch-int8-kv"],
+)
+def test_sizing_the_worst_step_of_qwen3_0_6b_on_an_80gb_gpu(
+    backend_class: type, kv_dtype: torch.dtype, with_draft: bool, cuda_defaults: EngineConfig,
+    qwen3_06b_weight_bytes: int,
+) -> None:
+    """At default settings (256 sequences at 40,960 tokens beside an 8,192-token chunk,
+    4 proposed tokens each with a draft model, here of the same shape), what attention
+    needs for the worst step fits in a tenth of the GPU and the KV cache gets most of it."""
+    config = cuda_defaults
+    max_model_len = PRESETS["qwen3-0.6b"]["max_position_embeddings"]
+    num_runners = 2 if with_draft else 1
+    worst = WorstStep(config.max_num_seqs, config.chunk_size, max_model_len,
+                      config.num_speculative_tokens if with_draft else 0)
+    buckets = default_buckets(config.max_num_seqs) if backend_class.supports_cuda_graphs else []
+    attention = sum(
+        worst_step_attention_bytes(backend_class, QWEN3_06B, config.page_size, config.dtype,
+                                   kv_dtype, step, len(buckets))
+        for step in worst_steps(worst, num_runners)
+    )
+    assert attention <= 0.10 * DEVICE_BYTES
+    in_use = num_runners * qwen3_06b_weight_bytes
+    kv_cache = kv_budget(DEVICE_BYTES - in_use, DEVICE_BYTES, Overhead(step=attention), None,
+                         config.gpu_memory_utilization)
+    assert kv_cache >= 0.75 * DEVICE_BYTES
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16-kv", "int8-kv"])
+@pytest.mark.parametrize("max_proposed", [0, 4], ids=["decodes", "verifications"])
+def test_sizing_the_torch_fallback_attends_the_worst_step_in_bounded_calls(
+    kv_dtype: torch.dtype, max_proposed: int, cuda_defaults: EngineConfig
+) -> None:
+    """The layout the torch backend's plan follows for the worst step: every token in
+    exactly one call, no call past the cap (one decode's whole context is the least a call
+    can take), and no decode or verification row padded to the prefill chunk's length."""
+    config = cuda_defaults
+    max_model_len = PRESETS["qwen3-0.6b"]["max_position_embeddings"]
+    costs = attention_costs(QWEN3_06B, config.page_size, config.dtype, kv_dtype)
+    q_lens = [config.chunk_size] + [1 + max_proposed] * config.max_num_seqs
+    kv_lens = [max_model_len] * len(q_lens)
+    layout = lay_out(costs, q_lens, kv_lens)
+    assert not layout.fresh and not layout.sparse  # too large for one sparse product
+    covered = {}
+    for piece in layout.padded:
+        assert costs.slice_bytes(len(piece.requests), piece.num_queries, piece.num_pages) \
+            <= MAX_CALL_BYTES
+        for request in piece.requests:
+            queries = range(piece.first_query, piece.first_query + piece.num_queries)
+            for query in queries:
+                if query < q_lens[request]:
+                    assert (request, query) not in covered
+                    covered[(request, query)] = piece
+        if 0 not in piece.requests:
+            assert piece.num_queries == 1 + max_proposed
+    assert len(covered) == sum(q_lens)
+    # The chunk is cut into ranges of its queries, each over the keys it can see.
+    chunk = [piece for piece in layout.padded if piece.requests == (0,)]
+    assert len(chunk) > 1 and chunk[-1].num_pages == max_model_len // config.page_size
+    assert chunk[0].num_pages < chunk[-1].num_pages
+
+
+def test_sizing_the_profile_refuses_a_step_whose_attention_cannot_fit(
+    small_engine: LLMEngine,
+) -> None:
+    """Told what the worst step's attention needs, the profile refuses before running it
+    when the GPU has less free: a clear error instead of an out-of-memory one midway."""
+
+    class LittleFree(NoCounters):
+        def free(self) -> int:
+            return 1000
+
+    SpyBackend.planned = []
+    runner = small_engine.runner
+    message = r"SpyBackend.*lower max_num_seqs.* \(its attention alone needs up to 3\.00 GiB\)"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "backend_class", SpyBackend)
+        patch.setattr(runner, "decode_buckets", [])
+        arguments = (runner._make_cache, runner._make_pipeline, WORST, LIMITS["page_size"])
+        with pytest.raises(ValueError, match=message):
+            profile_overhead(*arguments, LittleFree(), "SpyBackend", attention_bytes=3 * GIB)
+        assert SpyBackend.planned == []  # refused before running anything
+        profile_overhead(*arguments, NoCounters(), "SpyBackend", attention_bytes=3 * GIB)
+    assert len(SpyBackend.planned) == 1  # with room, the worst step ran
+
+
+def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(
+    qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model computes the target's rows before any drafts are attached, then
+    one-token rows: its worst step is the chunk and the sequences' decodes, which is what
+    its profile runs (the target's, with drafts to verify, is not a step it can run)."""
+    engine = LLMEngine(qwen3_dir, draft_model=qwen3_dir, num_speculative_tokens=3,
+                       num_pages=64, **LIMITS)
+    target, draft = engine.runner, engine.proposer.runner
+    profiled: dict[str, tuple[WorstStep, list[list[int]]]] = {}
+
+    def measure(runner: ModelRunner, worst: WorstStep) -> Overhead:
+        SpyBackend.planned = []
+        profile(runner, SpyBackend, [], worst)  # the real profile, on the CPU
+        name = "target" if runner is target else "draft"
+        profiled[name] = (worst, [sorted(m.q_lens().tolist()) for m in SpyBackend.planned])
+        return Overhead(step=GIB)
+
+    monkeypatch.setattr(ModelRunner, "measure_overhead", measure)
+    worst = WorstStep(*LIMITS_OF_WORST, max_proposed=3)
+    assert measure_overheads([target, draft], worst) == Overhead(step=2 * GIB)
+    sequences, chunk = LIMITS["max_num_seqs"], LIMITS["chunk_size"]
+    assert profiled["target"] == (worst, [[1 + 3] * sequences + [chunk]])
+    assert profiled["draft"] == (
+        WorstStep(*LIMITS_OF_WORST), [[1] * sequences + [chunk]]
+    )
+    # The target's worst step is not one the draft's runner could run: it samples one
+    # token per request, and would be handed four rows of logits for each.
+    with pytest.raises(ValueError, match="logits must be"):
+        profile(draft, SpyBackend, [], worst)
+
+
+# ----------------------------------------------------------------- defaults on a CPU
+def test_the_cpu_default_is_what_the_context_needs_within_a_share_of_the_ram() -> None:
+    """Every sequence at full length, capped by a share of the machine's RAM: the same
+    figure whatever happens to be free at start-up."""
+    worst = WorstStep(max_num_seqs=4, chunk_size=16, max_model_len=100)
+    page_bytes = 1000  # 100 tokens = 7 pages of 16
+    needed = 4 * 7 * page_bytes
+    assert cpu_kv_memory(10 * GIB, 1 * GIB, None, worst, 16, page_bytes) == needed
+    assert cpu_kv_memory(10 * GIB, 5 * GIB, None, worst, 16, page_bytes) == needed
+    tiny_ram = needed * 2
+    assert cpu_kv_memory(tiny_ram, 1, None, worst, 16, page_bytes) == CPU_KV_CACHE_FRACTION * tiny_ram
+    # Asked for as a fraction: of what is free.
+    assert cpu_kv_memory(10 * GIB, 4 * GIB, 0.5, worst, 16, page_bytes) == 2 * GIB
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_default_dtype_is_bfloat16_where_the_cpu_has_bf16_arithmetic(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    expected = torch.bfloat16 if native else torch.float32
+    assert EngineConfig(model="m", device="cpu").dtype == expected
+    assert EngineConfig(model="m", device="cpu", dtype="float32").dtype == torch.float32
+    # torch's AVX2 kernels (what the tests run) never take bfloat16 as native.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert EngineConfig(model="m", device="cpu").dtype == torch.float32

@@ -61,6 +61,18 @@ def test_missing_path_is_one_clear_line(tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path / "nope"))
 
 
+def test_directory_without_config_says_what_to_pass(qwen2_dir: str, tmp_path: Path) -> None:
+    model_dir = copy_checkpoint(qwen2_dir, tmp_path / "weights-only")
+    (model_dir / "config.json").unlink()
+    expected = (
+        f"no config.json in {model_dir}: pass a Qwen2/Qwen3 checkpoint directory, a .gguf file "
+        "or a hub id"
+    )
+    with pytest.raises(ValueError) as raised:
+        LLM(str(model_dir))
+    assert str(raised.value) == expected
+
+
 def test_unknown_hub_id_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not find model 'nobody/no-such-model'"):
@@ -93,6 +105,7 @@ def test_bad_weights_are_named(qwen2_dir: str, tmp_path: Path, edit, message: st
         LLM(str(model_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rope",
     [

@@ -7,14 +7,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from nanoqwen.metrics import ServerMetrics
 
 ENGINE_STATS: dict[str, Any] = {
-    "finished": {"stop": 3, "length": 1, "abort": 2},
-    "pages_used": 5, "pages_cached": 7, "pages_free": 20,
-    "running": 2, "waiting": 4,
-    "prompt_tokens": 120, "generated_tokens": 64,
-    "prefix_query_tokens": 100, "prefix_hit_tokens": 48,
-    "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
-    "spec_proposed_tokens": 40, "spec_accepted_tokens": 30, "spec_verifications": 10,
-    "spec_acceptance_rate": 0.75, "spec_mean_accepted_length": 4.0,
+    "kv_cache": {"pages_used": 5, "pages_cached": 7, "pages_free": 20, "bytes": 1 << 20},
+    "requests": {
+        "running": 2, "waiting": 4, "finished": {"stop": 3, "length": 1, "abort": 2},
+        "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
+    },
+    "tokens": {"prompt": 120, "generated": 64},
+    "prefix_cache": {"query_tokens": 100, "hit_tokens": 48},
+    "speculative": {
+        "proposed_tokens": 40, "accepted_tokens": 30, "verifications": 10,
+        "acceptance_rate": 0.75, "mean_accepted_length": 4.0,
+    },
 }
 
 
@@ -33,7 +36,8 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_requests_finished_total", (("reason", "abort"),))] == 2
     assert page[("nanoqwen_requests_finished_total", (("reason", "stop"),))] == 3
     for state in ("used", "cached", "free"):
-        assert page[("nanoqwen_kv_pages", (("state", state),))] == ENGINE_STATS[f"pages_{state}"]
+        expected = ENGINE_STATS["kv_cache"][f"pages_{state}"]
+        assert page[("nanoqwen_kv_pages", (("state", state),))] == expected
     assert page[("nanoqwen_requests_running", ())] == 2
     assert page[("nanoqwen_requests_waiting", ())] == 4
     assert page[("nanoqwen_prompt_tokens_total", ())] == 120
@@ -51,11 +55,19 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_spec_mean_accepted_length", ())] == 4.0
 
 
+def test_features_that_are_off_have_no_families() -> None:
+    """An engine without prefix cache or speculation reports no such group: no zeros."""
+    stats = {group: ENGINE_STATS[group] for group in ("kv_cache", "requests", "tokens")}
+    names = {name for name, _ in samples(ServerMetrics(lambda: stats))}
+    assert "nanoqwen_requests_running" in names
+    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec")) for name in names)
+
+
 def test_engine_stats_are_read_at_every_scrape() -> None:
-    stats = dict(ENGINE_STATS)
+    stats = {**ENGINE_STATS, "requests": dict(ENGINE_STATS["requests"])}
     metrics = ServerMetrics(lambda: stats)
     assert samples(metrics)[("nanoqwen_requests_running", ())] == 2
-    stats["running"] = 7
+    stats["requests"]["running"] = 7
     assert samples(metrics)[("nanoqwen_requests_running", ())] == 7
 
 

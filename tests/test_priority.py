@@ -165,7 +165,7 @@ def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_step
     }
     assert finish_order(engine) == [long_running] + [by_priority[p] for p in (0, 1, 2, 3)]
     # The priority-0 newcomer ties the running request's priority and arrived later.
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats()["requests"]["preemptions"] == 0
 
 
 def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
@@ -179,7 +179,7 @@ def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
     later = [engine.add_request(next(prompts), greedy(3), priority=q) for q in (2, 3)]
     for _ in range(3):
         assert {output.request_id for output in engine.step()} == running
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats()["requests"]["preemptions"] == 0
     # The least urgent request gives up its seat, though it was admitted first; then the
     # latest arrival among the equally urgent. Each newcomer gets a token at once.
     urgent = []
@@ -189,8 +189,8 @@ def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
         assert {output.request_id for output in engine.step()} == running
         assert engine.requests[victim].status is Status.WAITING
     stats = engine.stats()
-    assert stats["preemptions_by_cause"] == {"kv_pages": 0, "max_num_seqs": 2}
-    assert stats["preemptions"] == 2
+    assert stats["requests"]["preemptions_by_cause"] == {"kv_pages": 0, "max_num_seqs": 2}
+    assert stats["requests"]["preemptions"] == 2
     # The waiting ones resume by urgency: each gets its next token in a later step.
     resumed: dict[str, int] = {}
     for step in itertools.count():
@@ -219,7 +219,7 @@ def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
         Status.RUNNING, Status.WAITING, Status.RUNNING
     ]
     final = run_to_completion(engine)
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats()["requests"]["preemptions"] == 0
     assert final[ids[1]].num_cached_tokens == 32
     plain = LLM(qwen2_dir, enable_prefix_cache=False)
     expected = plain.generate([first, sharing, other], greedy(6))
@@ -236,19 +236,20 @@ def test_urgent_request_takes_pages_only_under_priority(qwen2_dir: str, policy: 
     while engine.requests[background[0]].num_tokens < 14:  # 13 computed: 4 pages
         engine.step()
     stats = engine.stats()
-    assert stats["pages_free"] + stats["pages_cached"] == 0
+    assert stats["kv_cache"]["pages_free"] + stats["kv_cache"]["pages_cached"] == 0
     urgent = engine.add_request(prompts[2], greedy(3), priority=-1 if policy == "priority" else 0)
     moved = {output.request_id for output in engine.step()}
     if policy == "priority":
         assert urgent in moved and background[1] not in moved
-        assert engine.stats()["preemptions_by_cause"] == {"kv_pages": 1, "max_num_seqs": 0}
+        preemptions = engine.stats()["requests"]["preemptions_by_cause"]
+        assert preemptions == {"kv_pages": 1, "max_num_seqs": 0}
     else:
         assert urgent not in moved
     final = run_to_completion(engine)
     plain = LLM(qwen2_dir, enable_prefix_cache=False)
     expected = plain.generate(prompts, [greedy(7)] * 2 + [greedy(3)])
     assert [final[i].token_ids for i in [*background, urgent]] == [o.token_ids for o in expected]
-    assert engine.stats()["preemptions"] == (1 if policy == "priority" else 0)
+    assert engine.stats()["requests"]["preemptions"] == (1 if policy == "priority" else 0)
 
 
 # --------------------------------------------------------------------------- starvation
@@ -313,7 +314,7 @@ def test_priorities_and_preemptions_never_change_outputs(qwen2_dir: str) -> None
     outputs = llm.generate(prompts, greedy(20), priority=priorities)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in fcfs]
     assert all(o.finish_reason == "length" for o in outputs)
-    assert llm.stats()["preemptions"] > 0
+    assert llm.stats()["requests"]["preemptions"] > 0
 
 
 # --------------------------------------------------------------------------- the server

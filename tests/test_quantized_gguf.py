@@ -13,12 +13,13 @@ import gguf
 import pytest
 from gguf_files import F, all_of, k_quant_mix, write_gguf
 from oracle import greedy, hf_greedy, random_prompts
-from quantized_helpers import build_wide, quantized_llm
+from quantized_helpers import build_wide, largest_greedy_gap, quantized_llm
 
 from nanoqwen import LLM
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import WeightQuantization
+from nanoqwen.weights.quantization import Int8Linear
 from tools.checkpoints import IM_END, build_qwen3, generate_corpus
 
 FILE_TYPES = {"F16": all_of(F.F16), "BF16": all_of(F.BF16), "Q8_0": all_of(F.Q8_0), "Q4_K_M": k_quant_mix}
@@ -122,3 +123,19 @@ def test_path_errors(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"weights\.bin is a file: pass a checkpoint directory or a \.gguf file"):
         LLM(str(tmp_path / "weights.bin"))
+
+
+def test_a_4_bit_file_runs_as_int8_on_a_cpu_close_to_its_own_weights(
+    wide_dirs: dict[str, str], tmp_path: Path
+) -> None:
+    """Following a Q4_K_M file on a CPU means int8 rows (the lm_head too), which keep the
+    file's 4-bit blocks far more closely than re-rounding them onto torchao's 4-bit grid:
+    greedy tokens part from the file's own (dequantized) model only at near-ties."""
+    path = write_gguf(wide_dirs["qwen3"], tmp_path / "model.gguf", k_quant_mix)
+    llm = LLM(path, device="cpu", num_pages=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
+    prompts = random_prompts(800, [6, 45], seed=33)
+    for prompt, output in zip(prompts, llm.generate(prompts, greedy(12))):
+        assert largest_greedy_gap(path, prompt, output.token_ids) <= 0.1

@@ -1,4 +1,5 @@
-"""Weight-only quantization at run time: linear weights kept as int8/int4 through torchao.
+"""Weight-only quantization at run time: linear weights kept as int8 (on a CPU, torch's own
+int8 kernel; the lm_head too) or int4 (through torchao).
 
 Each quantized layer is checked against the quantization error its format allows, and the
 engine's greedy output against full-precision transformers, up to near-ties: a token the
@@ -24,6 +25,7 @@ from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import WeightQuantization
 from nanoqwen.weights.loader import load_model
 from nanoqwen.weights.quantization import (
+    Int8Linear,
     int4_group_size,
     tensor_bytes,
     weight_memory_bytes,
@@ -37,8 +39,22 @@ def load(model_dir: str, dtype: torch.dtype, quantization: str) -> nn.Module:
     return load_model(read_checkpoint(model_dir), dtype, CPU, quantization)
 
 
-def decoder_linears(model: nn.Module) -> list[nn.Linear]:
-    return [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
+def decoder_linears(model: nn.Module) -> list[nn.Module]:
+    return [
+        module for module in model.model.layers.modules()
+        if isinstance(module, (nn.Linear, Int8Linear))
+    ]
+
+
+def quantized_bytes(linear: nn.Module) -> int:
+    """What a layer's weight takes: an `Int8Linear`'s codes and scales, or its weight."""
+    if isinstance(linear, Int8Linear):
+        return tensor_bytes(linear.codes) + tensor_bytes(linear.scales)
+    return tensor_bytes(linear.weight)
+
+
+def is_quantized(linear: nn.Module) -> bool:
+    return isinstance(linear, Int8Linear) or type(linear.weight) is not nn.Parameter
 
 
 def error_bound(weight: torch.Tensor, x: torch.Tensor, mode: str, group_size: int) -> torch.Tensor:
@@ -59,7 +75,7 @@ def test_every_linear_layer_is_within_its_quantization_error(model_dir: str, mod
     generator = torch.Generator().manual_seed(0)
     group_size = int4_group_size(128, [layer.in_features for layer in decoder_linears(dense)])
     for reference, linear in zip(decoder_linears(dense), decoder_linears(quantized)):
-        assert type(linear.weight) is not nn.Parameter  # a torchao tensor, not plain weights
+        assert is_quantized(linear)  # an Int8Linear or a torchao tensor, not plain weights
         x = torch.randn(8, linear.in_features, generator=generator).to(dtype)
         with torch.inference_mode():
             exact = x.float() @ reference.weight.float().t()
@@ -95,15 +111,18 @@ def test_weights_take_the_bytes_their_format_says(qwen3_dir: str) -> None:
     assert config.tie_word_embeddings
     for mode, bytes_per_weight, overhead_per_row in (("int8", 1, 8), ("int4", 0.5, 4 * 128 // 64)):
         quantized = load(qwen3_dir, torch.bfloat16, mode)
-        for linear in decoder_linears(quantized):
-            rows, columns = linear.weight.shape
+        linears = decoder_linears(quantized)
+        for linear in linears:
+            rows, columns = linear.out_features, linear.in_features
             # The codes, plus per row a scale (and zero point) for int8, or a bfloat16
             # scale and zero per group of 64 (128 inputs: 2 groups) for int4.
             codes = rows * columns * bytes_per_weight
-            assert codes <= tensor_bytes(linear.weight) <= codes + rows * overhead_per_row
-        linears = decoder_linears(quantized)
-        saved = sum(2 * linear.weight.numel() - tensor_bytes(linear.weight) for linear in linears)
-        assert weight_memory_bytes(quantized) == weight_memory_bytes(dense) - saved
+            assert codes <= quantized_bytes(linear) <= codes + rows * overhead_per_row
+        saved = sum(2 * linear.in_features * linear.out_features - quantized_bytes(linear)
+                    for linear in linears)
+        # On a CPU, int8 keeps an int8 lm_head beside the (tied) embedding.
+        head = quantized_bytes(quantized.lm_head) if mode == "int8" else 0
+        assert weight_memory_bytes(quantized) == weight_memory_bytes(dense) - saved + head
 
 
 def test_int4_group_size_divides_every_layer() -> None:
@@ -117,7 +136,8 @@ def test_int4_in_float32_warns_once_and_keeps_full_weights(qwen2_dir: str, caplo
     with caplog.at_level(logging.WARNING, logger="nanoqwen.weights.quantization"):
         llm = quantized_llm(qwen2_dir, "int4")
     assert [record.getMessage() for record in caplog.records] == [
-        "int4 weight-only matmuls are fast only in bfloat16, not float32 (use dtype='bfloat16'); "
+        "int4 weight-only matmuls are fast only in bfloat16, not float32 (run in bfloat16: "
+        "dtype='bfloat16', or --dtype bf16 on the command line); "
         "keeping the linear weights in float32"
     ]
     assert all(type(linear.weight) is nn.Parameter for linear in decoder_linears(llm.engine.runner.model))

@@ -38,9 +38,9 @@ def test_shared_prefix_is_computed_once(qwen3_dir: str, reference: LLM) -> None:
     full_prefix_pages = len(prefix) // 16 * 16
     assert [o.num_cached_tokens >= full_prefix_pages for o in outputs[1:]] == [True] * 15
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference.generate(prompts, greedy(8))]
-    stats = engine.stats()
-    assert stats["prefix_hit_tokens"] >= 15 * full_prefix_pages
-    assert stats["prefix_hit_rate"] == stats["prefix_hit_tokens"] / stats["prefix_query_tokens"]
+    cache = engine.stats()["prefix_cache"]
+    assert cache["hit_tokens"] >= 15 * full_prefix_pages
+    assert cache["hit_rate"] == cache["hit_tokens"] / cache["query_tokens"]
 
 
 def test_second_turn_reuses_first_turn_prompt_and_answer(qwen3_dir: str) -> None:
@@ -55,6 +55,7 @@ def test_second_turn_reuses_first_turn_prompt_and_answer(qwen3_dir: str) -> None
     assert second.num_cached_tokens > len(turn1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 100_000])
 def test_chunking_and_paging_never_change_outputs(
@@ -82,6 +83,7 @@ def test_decodes_advance_every_step_while_a_long_prompt_prefills(qwen3_dir: str)
     assert prefill_steps >= 600 // 32
 
 
+@pytest.mark.slow
 def test_small_pool_preempts_and_still_matches(qwen2_dir: str, reference: LLM) -> None:
     prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38, 29, 47], seed=27)
     expected = LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(40))
@@ -90,9 +92,10 @@ def test_small_pool_preempts_and_still_matches(qwen2_dir: str, reference: LLM) -
         outputs = generate(engine, prompts, greedy(40))
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
         assert all(o.finish_reason == "length" for o in outputs)
-        assert engine.stats()["preemptions"] > 0
+        assert engine.stats()["requests"]["preemptions"] > 0
 
 
+@pytest.mark.slow
 def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
     prompts = random_prompts(VOCAB, [40, 33, 50, 21], seed=28)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(4)]
@@ -100,7 +103,7 @@ def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
     tight = LLMEngine(qwen2_dir, num_pages=9)
     ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
     final = run_to_completion(tight)
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats()["requests"]["preemptions"] > 0
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in roomy]
 
 
@@ -112,7 +115,7 @@ def test_request_that_can_never_fit(qwen2_dir: str) -> None:
     output = run_to_completion(engine)[request_id]
     assert output.finish_reason == "length"
     assert len(output.prompt_token_ids) + len(output.token_ids) == 48 + 1
-    assert engine.stats()["pages_used"] == 0
+    assert engine.stats()["kv_cache"]["pages_used"] == 0
 
 
 def test_hot_prefix_survives_eviction(qwen3_dir: str) -> None:
@@ -124,23 +127,23 @@ def test_hot_prefix_survives_eviction(qwen3_dir: str) -> None:
         hits.append(generate(engine, [hot + [index + 3]], greedy(2))[0].num_cached_tokens)
         generate(engine, [cold], greedy(2))
         check_page_accounting(engine)
-    assert engine.stats()["evicted_pages"] > 0
+    assert engine.stats()["prefix_cache"]["evicted_pages"] > 0
     assert hits[0] == 0 and hits[1:] == [64] * 5
 
 
 def test_reset_prefix_cache_frees_everything_unused(qwen3_dir: str) -> None:
     engine = LLMEngine(qwen3_dir)
     generate(engine, random_prompts(VOCAB, [50, 70], seed=31), greedy(4))
-    assert engine.stats()["pages_cached"] > 0
+    assert engine.stats()["kv_cache"]["pages_cached"] > 0
     running = engine.add_request(random_prompts(VOCAB, [40], seed=32)[0], greedy(20))
     engine.step()
     engine.reset_prefix_cache()
     check_page_accounting(engine)
     stats = engine.stats()
-    assert stats["pages_cached"] == 0 and stats["pages_used"] == 3
+    assert stats["kv_cache"]["pages_cached"] == 0 and stats["kv_cache"]["pages_used"] == 3
     run_to_completion(engine)
     assert engine.reset_prefix_cache() > 0
-    assert engine.stats()["pages_free"] == engine.stats()["pages_total"]
+    assert engine.stats()["kv_cache"]["pages_free"] == engine.stats()["kv_cache"]["pages_total"]
     assert running not in engine.requests
 
 
@@ -174,6 +177,7 @@ ACTIONS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -215,7 +219,8 @@ def test_random_workload(
         if len(prompt) + max_tokens - 1 <= capacity:  # it fits alone, so it finishes
             assert len(tokens) == max_tokens
     stats = engine.stats()
-    assert stats["preemptions"] == sum(stats["preemptions_by_cause"].values())
+    requests = stats["requests"]
+    assert requests["preemptions"] == sum(requests["preemptions_by_cause"].values())
     engine.reset_prefix_cache()
     check_page_accounting(engine)
-    assert engine.stats()["pages_free"] == engine.allocator.num_usable_pages
+    assert engine.stats()["kv_cache"]["pages_free"] == engine.allocator.num_usable_pages

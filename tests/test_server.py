@@ -9,6 +9,7 @@ queue, a shutdown) slow every engine step down, so no outcome depends on machine
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -25,6 +26,7 @@ from typing import Any
 import openai
 import pytest
 from click.testing import CliRunner
+from rich.filesize import decimal
 from server_helpers import (
     ABORTS,
     ENGINE_OPTIONS,
@@ -50,7 +52,7 @@ from server_helpers import (
 )
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.server import OpenAIServer
+from nanoqwen.server import OpenAIServer, ServerSettings, make_server
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -272,8 +274,8 @@ def test_shutdown_aborts_requests_in_flight(qwen3_dir: str) -> None:
         server.server_close()
         events = response.read().decode().strip().split("\n\n")
         assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "not_serving"
-        assert server.engine.stats()["finished"]["abort"] == 1
-        assert server.engine.stats()["pages_used"] == 0
+        assert server.engine.stats()["requests"]["finished"]["abort"] == 1
+        assert server.engine.stats()["kv_cache"]["pages_used"] == 0
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -402,6 +404,14 @@ def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
             log.append(line)
             match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
             port = match and int(match.group(1))
+        # Where the model runs and what it holds, as chat's banner says it.
+        llm = LLM(qwen3_dir, max_num_seqs=2)
+        kv = llm.stats()["kv_cache"]
+        summary = (
+            f"cpu (float32) · context {llm.engine.max_model_len:,} tokens · "
+            f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})"
+        )
+        assert re.search(r"loaded in \d+\.\d s: " + re.escape(summary), "".join(log))
         base_url = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
             [model] = client.models.list().data
@@ -429,3 +439,35 @@ def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
             process.kill()
             process.wait()
 
+
+
+@contextlib.contextmanager
+def port_in_use() -> Iterator[int]:
+    """A loopback port another socket listens on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+def test_cli_says_a_port_is_in_use_in_one_line_without_loading(qwen3_dir: str) -> None:
+    with port_in_use() as port:
+        result = subprocess.run(
+            [sys.executable, "serve.py", "--model", qwen3_dir, "--port", str(port)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: port {port} is in use (on 127.0.0.1): stop what holds it, or pick another port"
+    ]
+    assert "loaded in" not in result.stderr  # said before the model loads, not after
+
+
+def test_the_port_is_taken_before_the_model_is_read(tmp_path: Path) -> None:
+    """A model that does not exist: had it been read first, the error would name it."""
+    with port_in_use() as port, pytest.raises(ValueError, match=f"^port {port} is in use"):
+        make_server(str(tmp_path / "no-such-model"), "127.0.0.1", port)
+    # A server that never got its address or an engine closes without complaint.
+    OpenAIServer(("127.0.0.1", 0), ServerSettings(model_name="m")).server_close()

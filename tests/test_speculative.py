@@ -144,6 +144,7 @@ def workloads(draw: st.DrawFn) -> dict:
     }
 
 
+@pytest.mark.slow
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -159,6 +160,7 @@ def test_ngram_greedy_output_is_unchanged(
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected]
 
 
+@pytest.mark.slow
 @settings(
     max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -178,6 +180,7 @@ def test_draft_model_greedy_output_is_unchanged_for_any_workload(
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
 
 
+@pytest.mark.slow
 def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LLM]) -> None:
     """The workload shape of the property test does accept, reject and preempt."""
     prompts = [repetitive_prompt([11, 12, 13], 40), *random_prompts(VOCAB, [30, 50, 7], seed=3)]
@@ -187,14 +190,15 @@ def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LL
     expected = references[qwen3_dir].generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = engine.stats()
-    assert stats["preemptions"] > 0
-    proposed, accepted = stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]
-    assert 0 < accepted < proposed and stats["spec_acceptance_rate"] == accepted / proposed
-    assert stats["spec_mean_accepted_length"] == pytest.approx(
-        1 + stats["spec_accepted_tokens"] / stats["spec_verifications"]
+    assert stats["requests"]["preemptions"] > 0
+    speculation = stats["speculative"]
+    proposed, accepted = speculation["proposed_tokens"], speculation["accepted_tokens"]
+    assert 0 < accepted < proposed and speculation["acceptance_rate"] == accepted / proposed
+    assert speculation["mean_accepted_length"] == pytest.approx(
+        1 + accepted / speculation["verifications"]
     )
     # Fewer steps than tokens: some steps gave a request several.
-    assert stats["generated_tokens"] == sum(len(o.token_ids) for o in outputs)
+    assert stats["tokens"]["generated"] == sum(len(o.token_ids) for o in outputs)
 
 
 def test_ngram_speculation_under_priority_preemption(
@@ -212,11 +216,12 @@ def test_ngram_speculation_under_priority_preemption(
     expected = references[qwen3_dir].generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = engine.stats()
-    assert stats["preemptions_by_cause"]["max_num_seqs"] >= 1
-    assert stats["spec_accepted_tokens"] > 0
+    assert stats["requests"]["preemptions_by_cause"]["max_num_seqs"] >= 1
+    assert stats["speculative"]["accepted_tokens"] > 0
 
 
 # --------------------------------------------------------------------------- draft model
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["self", "other"])
 def test_draft_model_greedy_output_is_unchanged(
     qwen2_dir: str, qwen3_dir: str, references: dict[str, LLM], draft: str
@@ -236,12 +241,12 @@ def test_draft_model_greedy_output_is_unchanged(
     expected = references[qwen3_dir].generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
-    assert stats["spec_proposed_tokens"] > 0
+    assert stats["requests"]["preemptions"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0
+    assert stats["speculative"]["proposed_tokens"] > 0
     if draft == "self":  # the same model guesses right (up to float noise across batch shapes)
-        assert stats["spec_acceptance_rate"] > 0.9
+        assert stats["speculative"]["acceptance_rate"] > 0.9
     else:
-        assert stats["spec_acceptance_rate"] < 0.5
+        assert stats["speculative"]["acceptance_rate"] < 0.5
 
 
 def kv_of(pool: KVCache, request: Request, num_tokens: int) -> torch.Tensor:
@@ -251,6 +256,7 @@ def kv_of(pool: KVCache, request: Request, num_tokens: int) -> torch.Tensor:
     return pool.kv.flatten(2, 3)[:, :, slots]
 
 
+@pytest.mark.slow
 def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: str) -> None:
     """After every step, the draft pool holds exactly the K/V the draft model computes
     for each request's accepted tokens from scratch, rollbacks included."""
@@ -280,8 +286,8 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
             )
             fresh.abort("probe")
             checked += 1
-    stats = engine.stats()
-    assert checked > 10 and stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    speculation = engine.stats()["speculative"]
+    assert checked > 10 and speculation["accepted_tokens"] < speculation["proposed_tokens"]
 
 
 def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
@@ -296,6 +302,7 @@ def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
     assert engine.proposer.runners == [draft]  # sized and allocated with the target
 
 
+@pytest.mark.slow
 def test_ngram_speculation_across_tensor_parallel_ranks(
     qwen2_dir: str, references: dict[str, LLM]
 ) -> None:
@@ -307,7 +314,7 @@ def test_ngram_speculation_across_tensor_parallel_ranks(
         stats = llm.stats()
     expected = references[qwen2_dir].generate(prompts, greedy(20))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+    assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["proposed_tokens"]
 
 
 # --------------------------------------------------------------------------- stop conditions
@@ -332,7 +339,8 @@ def test_stops_apply_to_accepted_tokens_only(qwen3_dir: str, references: dict[st
         assert [t for d in deltas for t in d.delta_token_ids] == final.token_ids
         assert "".join(d.delta_text for d in deltas) == final.text == expected.text
     assert max(len(d.delta_token_ids) for d in deltas) > 1, "no step gave several tokens"
-    assert llm.stats()["spec_accepted_tokens"] < llm.stats()["spec_proposed_tokens"]
+    speculation = llm.stats()["speculative"]
+    assert speculation["accepted_tokens"] < speculation["proposed_tokens"]
 
     # A stop string met inside a run of accepted tokens.
     pieces = [llm.tokenizer.decode([t]) for t in free_run]
@@ -361,7 +369,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(qwen3_dir: str) -> None:
     others = random_prompts(VOCAB, [9, 40, 3], seed=9)
     noisy = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     assert llm.generate(others + [probe], [noisy] * 3 + [seeded])[-1].token_ids == alone
-    assert llm.stats()["spec_accepted_tokens"] > 0
+    assert llm.stats()["speculative"]["accepted_tokens"] > 0
 
 
 # --------------------------------------------------------------------------- verification
@@ -469,6 +477,27 @@ def test_draft_model_drafts_keep_the_target_distribution() -> None:
     assert chi_square_p_value(seconds, p) > P_VALUE_THRESHOLD
 
 
+def test_sampled_verification_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which rows hold drafts, and which tokens, is known on the host: verification sends
+    them to the device and reads back only its outcome, in one copy (on a GPU each read
+    waits for every kernel queued before it)."""
+    reads: list[torch.Size] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(tensor: torch.Tensor) -> list:
+        reads.append(tensor.shape)
+        return tolist(tensor)
+
+    q = torch.softmax(torch.arange(8.0), dim=-1)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    results = verify(TARGET_LOGITS.expand(3, -1), SamplingParams(temperature=1.0), [[1, 2]] * 3,
+                     probs=q.expand(3, 2, -1), count=3)
+    monkeypatch.undo()
+    assert len(results) == 3 and all(1 <= len(tokens) <= 3 for tokens in results)
+    # Tokens for the 9 rows, then whether each of the 6 drafts was accepted.
+    assert reads == [torch.Size([9 + 6])]
+
+
 # --------------------------------------------------------------------------- n-gram lookup
 def brute_force_lookup(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
@@ -547,6 +576,7 @@ def test_command_line_options_reach_the_engine() -> None:
     assert (seen["num_speculative_tokens"], seen["ngram_min"], seen["ngram_max"]) == (3, 1, 5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_speculation_matches_plain_decoding(qwen3_dir: str) -> None:
     prompts = [repetitive_prompt([61, 62, 63], 40), *random_prompts(VOCAB, [20, 33], seed=10)]
@@ -555,4 +585,4 @@ def test_cuda_speculation_matches_plain_decoding(qwen3_dir: str) -> None:
         llm = LLM(qwen3_dir, device="cuda", dtype="float32", **options)
         outputs = llm.generate(prompts, greedy(32))
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
-        assert llm.stats()["spec_accepted_tokens"] > 0
+        assert llm.stats()["speculative"]["accepted_tokens"] > 0

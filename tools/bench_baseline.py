@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as transformers_logging
 
+from nanoqwen.cli import quiet_library_noise
 from nanoqwen.weights.gguf import from_pretrained_arguments, read_gguf_config
 
 # Left padding fills a batch's shorter prompts; any id will do, the attention mask hides it.
@@ -70,6 +71,7 @@ def run_transformers(
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
     transformers_logging.disable_progress_bar()  # its weight-loading bars would cut into ours
+    quiet_library_noise()  # transformers' loader imports torchao
 
 
 def _worker_batch_seconds(

@@ -31,13 +31,15 @@ DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward p
 
 
 class PhaseTimer:
-    """Wall time spent in each phase of `engine.step()`, summed over steps: a step
-    observer (`engine.observe(timer)`). On CUDA the forward pass only queues kernels, so
-    the timer waits for them at the end of "forward", keeping their time there."""
+    """Wall time spent in each phase of `engine.step()`, summed over steps, and the tokens
+    the steps computed: a step observer (`engine.observe(timer)`). On CUDA the forward pass
+    only queues kernels, so the timer waits for them at the end of "forward", keeping their
+    time there."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.scheduled_tokens = 0  # prompt and decode tokens laid out, over every step
         self.last_inputs: StepInputs | None = None  # the latest step, to replay its forward
 
     @contextmanager
@@ -52,9 +54,11 @@ class PhaseTimer:
 
     def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
         self.last_inputs = inputs
+        self.scheduled_tokens += sum(batch.num_new_tokens)
 
     def reset(self) -> None:
         self.seconds = {}
+        self.scheduled_tokens = 0
 
 
 class Observers:
@@ -87,7 +91,7 @@ def measure_decode_overhead(
     `timer` must be observing `engine`.
     """
     engine.reset_prefix_cache()
-    preemptions_before = engine.stats()["preemptions"]
+    preemptions_before = engine.stats()["requests"]["preemptions"]
     rng = random.Random(0)
     # Requests that finish prefill early decode while the rest prefill: leave them room.
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len, ignore_eos=True)
@@ -104,7 +108,7 @@ def measure_decode_overhead(
             step_s.append(_seconds(engine.step, engine))
             phases_s.append(dict(timer.seconds))
             forward_s.append(_seconds(bare_forward, engine))
-        if engine.stats()["preemptions"] != preemptions_before:
+        if engine.stats()["requests"]["preemptions"] != preemptions_before:
             raise PoolTooSmall(
                 f"the KV pool cannot hold {batch_size} requests of {context_len} tokens; "
                 "lower --decode-batch or give the pool more memory"

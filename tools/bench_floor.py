@@ -19,6 +19,12 @@ The rest of the engine's wall time is split so that the parts add up exactly:
   proposing draft tokens (with speculative decoding), preparing inputs, detokenizing,
   stop checks and the benchmark's own loop.
 
+A batch of one request is bound by something else: each step reads every weight to make
+one token, so no engine beats the time the device takes to read them (`bandwidth_floor`:
+the weight bytes read per token over the bandwidth measured on the spot by copying a large
+tensor). bench reports it beside the time per output token, whatever the batch; its ratio
+says most with `--num-seqs 1`.
+
 On CUDA the timings wait for the device (the forward pass is synchronised before the
 sampler starts, attention is timed with CUDA events), but decode steps replayed from a
 CUDA graph run the backend inside the graph, where it cannot be timed: with graphs on,
@@ -38,6 +44,7 @@ import torch
 from nanoqwen import LLMEngine
 from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.weights.quantization import tensor_bytes, weight_memory_bytes
 from nanoqwen.runner.step_inputs import StepInputs
 from nanoqwen.scheduling.batch import ScheduledBatch
 from tools.bench_baseline import synchronize
@@ -124,7 +131,7 @@ def replay_floor(model: QwenForCausalLM, steps: Sequence[StepShape]) -> float:
     activations are not computed), and every call goes through the model's own modules.
     """
     config = model.config
-    weight = model.lm_head.weight
+    weight = model.model.norm.weight  # the model's dtype and device (not the head's: int8?)
     max_tokens = max((step.num_tokens for step in steps), default=0)
     generator = torch.Generator(device="cpu").manual_seed(0)
 
@@ -186,3 +193,43 @@ def measure_floor(
     figures["tokens"] = sum(step.num_tokens for step in recorder.steps)
     figures["sampled_rows"] = sum(step.num_sampled for step in recorder.steps)
     return figures
+
+
+# --------------------------------------------------------------------------- batch 1
+def measure_bandwidth(device: torch.device, size: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second the device moves copying one large tensor into another (read and
+    write both counted), the best of `repeats`: what a step bound by reading its weights
+    can hope for."""
+    source = torch.ones(size // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
+
+
+def bytes_read_per_token(model: QwenForCausalLM) -> int:
+    """The weight bytes one decode step reads to make one token: every weight once, but of
+    an embedding that is not also the lm_head, only one row."""
+    embedding = model.model.embed_tokens.weight
+    total = weight_memory_bytes(model)
+    if getattr(model.lm_head, "weight", None) is embedding:
+        return total
+    return total - tensor_bytes(embedding) + tensor_bytes(embedding[0])
+
+
+def bandwidth_floor(read_bytes: int, bandwidth: float, tpot_ms: float) -> dict[str, float]:
+    """The batch-1 floor: a token needs at least the time to read the weights once, at the
+    measured bandwidth; `ratio` is the measured time per output token over it."""
+    floor_ms = read_bytes / bandwidth * 1000
+    return {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bytes_per_token": read_bytes,
+        "floor_ms_per_token": floor_ms,
+        "tpot_ms": tpot_ms,
+        "ratio": tpot_ms / floor_ms,
+    }

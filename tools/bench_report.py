@@ -18,6 +18,8 @@ from tools.bench_floor import SPLIT
 
 Metrics = dict[str, Any]
 MIB = 2**20
+# What the engine `--compare` ran is called in the result.
+BASELINE_LABELS = ("transformers", "vLLM", "llama.cpp")
 # Figures both engines report: (label, key, format).
 THROUGHPUT_ROWS = [
     ("requests", "requests", "{}"),
@@ -41,39 +43,65 @@ def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
         f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
-        f"KV cache {settings['kv_cache_dtype']}, {settings['threads']} torch threads, "
-        f"{settings['tensor_parallel_size']} rank(s)), "
+        f"KV cache {settings['kv_cache_dtype']}, {plural(settings['threads'], 'torch thread')}, "
+        f"{plural(settings['tensor_parallel_size'], 'rank')}), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
-        f"scheduling, median of {settings['rounds']} round(s)"
+        f"scheduling, median of {plural(settings['rounds'], 'round')}"
+        + (f", {plural(settings['background_load'], 'busy process', 'es')} beside it"
+           if settings.get("background_load") else "")
     )
-    console.print(
-        _summary_table(result["nanoqwen"], result.get("transformers"), result.get("speedup"))
-    )
+    baseline = next((name for name in BASELINE_LABELS if name in result), None)
+    console.print(_summary_table(
+        result["nanoqwen"], engine_column(settings), baseline, result.get(baseline),
+        result.get("speedup"),
+    ))
     if "no_speculation" in result:
         console.print(_speculation_table(result))
     if "full_precision" in result:
         console.print(_quantization_table(result))
-    console.print(_phase_table(result["nanoqwen"]))
+    console.print(_phase_table(result["nanoqwen"], engine_column(settings)))
     if "policies" in result:
         console.print(_policy_table(result["policies"]))
     if "floor" in result:
         console.print(_floor_table(result["floor"]))
+    if "bandwidth_floor" in result:
+        console.print(_bandwidth_table(result["bandwidth_floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
 
 
-def _summary_table(engine: Metrics, baseline: Metrics | None, speedup: float | None) -> Table:
+def plural(count: int, noun: str, suffix: str = "s") -> str:
+    return f"{count} {noun}" + ("" if count == 1 else suffix)
+
+
+def engine_column(settings: Metrics) -> str:
+    """What the main figures are of: with several scheduling policies, the last one's run
+    (the others are in the policy table)."""
+    policies = settings["scheduling_policies"]
+    return f"nanoqwen, {policies[-1]} policy" if len(policies) > 1 else "nanoqwen"
+
+
+def _summary_table(
+    engine: Metrics, column: str, baseline_name: str | None, baseline: Metrics | None,
+    speedup: float | None,
+) -> Table:
+    """nanoqwen's figures (`column`), beside those of the engine `--compare` ran, if any."""
     table = Table(title="Throughput and latency")
     table.add_column("metric")
-    for column in ("nanoqwen", *(("transformers", "ratio") if baseline is not None else ())):
-        table.add_column(column, justify="right")
+    for name in (column, *((baseline_name, "ratio") if baseline is not None else ())):
+        table.add_column(name, justify="right")
     for label, key, fmt in THROUGHPUT_ROWS:
         row = [label, fmt.format(engine[key])]
         if baseline is not None:
             row += [fmt.format(baseline[key]), f"{speedup:.2f}x" if key == "output_tok_s" else ""]
         table.add_row(*row)
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
-        table.add_row(f"{name} P50 / P95 (ms)", _p50_p95(engine[key]))
+    for label, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("end-to-end", "e2e_ms")):
+        row = [f"{label} P50 / P95 (ms)", _p50_p95(engine[key])]
+        if baseline is not None:
+            row += [_p50_p95(baseline[key]) if key in baseline else "", ""]
+        table.add_row(*row)
+    if baseline is not None and "agreement" in baseline:
+        table.add_row("greedy tokens as nanoqwen's", "", f"{baseline['agreement']:.1%}", "")
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
@@ -92,11 +120,11 @@ def _speculation_table(result: Metrics) -> Table:
         ("tokens per request per step", "tokens_per_request_step", "{:.2f}"),
     ))
     figures = spec["speculation"]
-    proposed_accepted = f"{figures['spec_proposed_tokens']} / {figures['spec_accepted_tokens']}"
+    proposed_accepted = f"{figures['proposed_tokens']} / {figures['accepted_tokens']}"
     rows += [
         ("draft tokens proposed / accepted", proposed_accepted, ""),
-        ("acceptance rate", f"{figures['spec_acceptance_rate']:.1%}", ""),
-        ("mean accepted length", f"{figures['spec_mean_accepted_length']:.2f}", ""),
+        ("acceptance rate", f"{figures['acceptance_rate']:.1%}", ""),
+        ("mean accepted length", f"{figures['mean_accepted_length']:.2f}", ""),
         ("speedup (median of rounds)", f"{result['speculation_speedup']:.2f}x", ""),
     ]
     title = f"Speculative decoding: {method}, {num_tokens} tokens per request"
@@ -139,8 +167,8 @@ def _comparison_table(
     return table
 
 
-def _phase_table(engine: Metrics) -> Table:
-    table = Table(title="Where the time goes (nanoqwen)")
+def _phase_table(engine: Metrics, column: str) -> Table:
+    table = Table(title=f"Where the time goes ({column})")
     for column in ("phase", "total (s)", "per step (ms)", "share of wall time"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for name, phase in engine["phases"].items():
@@ -212,4 +240,16 @@ def _decode_table(decode: Metrics) -> Table:
     table.add_row("forward pass alone", f"{decode['forward_ms']:.2f}")
     table.add_row("engine step / forward", f"{decode['overhead_ratio']:.3f}x")
     table.add_row("schedule + prepare inputs", f"{decode['schedule_prepare_ms']:.3f}")
+    return table
+
+
+def _bandwidth_table(floor: Metrics) -> Table:
+    table = Table(title="Batch-1 floor: reading every weight once per token")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("memory bandwidth, measured (GB/s)", f"{floor['bandwidth_gb_s']:.1f}")
+    table.add_row("weight bytes read per token (MB)", f"{floor['bytes_per_token'] / 1e6:.0f}")
+    table.add_row("floor per token (ms)", f"{floor['floor_ms_per_token']:.1f}")
+    table.add_row("TPOT P50 (ms)", f"{floor['tpot_ms']:.1f}")
+    table.add_row("TPOT over the floor", f"{floor['ratio']:.2f}x")
     return table

@@ -196,6 +196,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         dtype="bfloat16",
     ),
+    # The shape of Qwen/Qwen2.5-1.5B-Instruct: the CPU comparison with vLLM and llama.cpp.
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        dtype="bfloat16",
+    ),
     # The same architecture scaled down so that a benchmark, transformers included, runs
     # in minutes on a couple of CPU cores.
     "qwen3-cpu": dict(

@@ -1,6 +1,8 @@
 """Attention over a paged KV cache: one page-table format, one interface, three kernels.
 
 Read `base.py` (the CSR page table every backend reads, and the interface), `reference.py`
-(the textbook version, and the oracle), `torch_backend.py` (the fast CPU path),
-`flashinfer_backend.py` (CUDA kernels) and `registry.py` (which one serves a model).
+(the textbook version, and the oracle), `torch_backend.py` (the fast CPU path) with
+`torch_layout.py` (how it splits a step into calls that stay within a fixed memory, and
+what a step can need), `flashinfer_backend.py` (CUDA kernels) and `registry.py` (which one
+serves a model).
 """

@@ -92,6 +92,17 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
+    @classmethod
+    def step_memory(
+        cls, shape: AttentionShape, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+        q_lens: list[int], kv_lens: list[int], num_graph_buckets: int = 0,
+    ) -> int | None:
+        """At most how many bytes this backend allocates beside the KV cache for a model of
+        `shape` to run a step of these query and KV lengths (requests' new tokens, and
+        tokens once they are added), its kept buffers included (with `num_graph_buckets`
+        decode graphs' plans); None where that is not known."""
+        return None
+
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None: ...
 

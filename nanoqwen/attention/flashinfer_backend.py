@@ -9,9 +9,12 @@ be replayed from CUDA graphs: see `cuda_graph.py` for why `plan` stays outside t
 flashinfer ships its kernels as CUDA sources: `plan` compiles the one a model needs with
 nvcc the first time it is asked for (minutes), and later loads it from flashinfer's cache
 on disk. So whether flashinfer can serve a model is only known once its kernels are built.
-`check_flashinfer` builds them at start-up, by planning and running each kind of step once
-on a tiny KV cache, under a status line; if anything fails (no nvcc, no CUDA headers, a kernel
-that won't load) the runner falls back to the torch backend, saying why.
+`flashinfer_backend_for` builds them at start-up, by planning and running each kind of step
+once on a tiny KV cache, under a status line. On Hopper GPUs flashinfer's prefill picks its
+FA3 kernels (built for sm90a), a heavier build than the FA2 ones every GPU runs: if it fails,
+the FA2 prefill is tried before flashinfer is given up (`FlashInferFA2Backend`). If that
+fails too (no nvcc, no CUDA headers, a kernel that won't load) the runner falls back to the
+torch backend, saying why.
 
 A KV cache in fp8 (`kv_cache_dtype="fp8_e4m3"`) is read by the same kernels, planned with
 `kv_data_type` fp8: they take one scale for all of a layer's keys and one for its values
@@ -43,6 +46,8 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 # split into many pieces keeps their partial results there. One buffer serves every
 # wrapper, since a step runs only one of them.
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
+# Each wrapper's own buffer for its plan's schedule (flashinfer's size, on the device).
+FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20
 # With at least this many query heads per KV head, decode is faster on tensor cores: the
 # kernel stacks a group's heads into the rows of one matrix multiply (flashinfer's advice).
 TENSOR_CORE_MIN_GROUP_SIZE = 4
@@ -72,61 +77,114 @@ def flashinfer_unsupported_reason(
     return None
 
 
-def check_flashinfer(
+class FlashInferUnavailable(Exception):
+    """Why flashinfer cannot serve a model here (one line)."""
+
+
+# The new tokens of the warm-up's one request: a decode's kernels, then a prefill's.
+DECODE, PREFILL = 1, 2
+
+
+def flashinfer_backend_for(
     shape: AttentionShape,
     page_size: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device: torch.device,
-) -> str | None:
-    """None once the kernels this model needs (with KV pages in `kv_dtype`) are built (or
-    loaded from flashinfer's cache) and have run on `device`; otherwise why flashinfer
-    cannot serve the model here."""
+) -> type[FlashInferBackend]:
+    """The flashinfer backend whose kernels for this model (with KV pages in `kv_dtype`) are
+    built (or loaded from flashinfer's cache) and have run on `device`: with the prefill
+    kernels flashinfer picks for the GPU, else with FA2's. Raises `FlashInferUnavailable`
+    saying why flashinfer cannot serve the model here."""
     if device.type != "cuda":
-        return f"flashinfer needs a CUDA device, not {device}"
+        raise FlashInferUnavailable(f"flashinfer needs a CUDA device, not {device}")
     reason = flashinfer_unsupported_reason(shape.head_dim, dtype, kv_dtype)
     if reason is not None:
-        return reason
+        raise FlashInferUnavailable(reason)
     start = time.perf_counter()
+    status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
+    with console.status(status):
+        backend_class, failure = build_kernels(shape, page_size, dtype, kv_dtype, device)
+    if backend_class is None:
+        raise FlashInferUnavailable(
+            f"flashinfer could not build or run its kernels ({first_line(failure)})"
+        )
+    if failure is not None:
+        logger.warning("flashinfer's own choice of prefill kernels failed (%s); using FA2's",
+                       first_line(failure))
+    logger.info("flashinfer kernels (%s prefill) ready in %.1f s",
+                backend_class.prefill_backend, time.perf_counter() - start)
+    return backend_class
+
+
+def build_kernels(
+    shape: AttentionShape,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[type[FlashInferBackend] | None, Exception | None]:
+    """The first flashinfer backend whose kernels build and run (None if none does), and the
+    first failure on the way (None if there was none)."""
+    args = (shape, page_size, dtype, kv_dtype, device)
+    failure = warm_up_failure(FlashInferBackend, DECODE, *args)
+    if failure is not None:  # every variant decodes with the same kernels
+        return None, failure
+    for backend_class in (FlashInferBackend, FlashInferFA2Backend):
+        error = warm_up_failure(backend_class, PREFILL, *args)
+        if error is None:
+            return backend_class, failure
+        failure = failure or error
+    return None, failure
+
+
+def warm_up_failure(
+    backend_class: type[FlashInferBackend], num_tokens: int, *args: Any
+) -> Exception | None:
+    """What `warm_up_kernels` raised, or None once its kernels have run."""
     try:
-        status = "compiling flashinfer kernels (minutes on the first start, cached after)…"
-        with console.status(status):
-            warm_up_kernels(shape, page_size, dtype, kv_dtype, device)
+        warm_up_kernels(backend_class, num_tokens, *args)
     # nvcc missing or failing, CUDA headers not found, a kernel that won't load or launch:
-    # flashinfer raises many kinds of errors, and each means it cannot serve this model.
+    # flashinfer raises many kinds of errors, and each means these kernels cannot serve.
     except Exception as error:
-        logger.debug("flashinfer's kernels failed to build or run", exc_info=True)
-        cause = (str(error).strip().splitlines() or [""])[0]
-        return f"flashinfer could not build or run its kernels ({type(error).__name__}: {cause})"
-    logger.info("flashinfer kernels ready in %.1f s", time.perf_counter() - start)
+        logger.debug("%s's kernels failed to build or run", backend_class.__name__,
+                     exc_info=True)
+        return error
     return None
 
 
+def first_line(error: BaseException) -> str:
+    """An error's type and the first line of its message (build logs run to pages)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 def warm_up_kernels(
+    backend_class: type[FlashInferBackend],
+    num_tokens: int,
     shape: AttentionShape,
     page_size: int,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Plan and run a prefill and a decode of one request on a throwaway one-layer KV cache.
+    """Plan and run one fresh request of `num_tokens` tokens (`DECODE` or `PREFILL`) on a
+    throwaway one-layer KV cache.
 
-    Planning is what makes flashinfer build or load a kernel, so this makes it get every
-    kernel a step of this model can use (the graph buckets' decode wrappers run the same
-    decode kernel); running them checks that they load and launch.
+    Planning is what makes flashinfer build or load a kernel, so a decode and a prefill
+    make it get every kernel a step of this model can use (the graph buckets' decode
+    wrappers run the same decode kernel); running them checks that they load and launch.
     """
     heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    pages = list(range(1, 1 + -(-2 // page_size)))  # room for two tokens, after the scratch page
+    pages = list(range(1, 1 + -(-num_tokens // page_size)))  # after the scratch page
     kv_cache = KVCache(
         1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device,
-        storage_dtype=kv_dtype, per_vector_scales=FlashInferBackend.per_vector_kv_scales,
+        storage_dtype=kv_dtype, per_vector_scales=backend_class.per_vector_kv_scales,
     )
-    backend = FlashInferBackend(kv_cache, heads, kv_heads, head_dim)
-    for num_tokens in (2, 1):  # a prefill, then a decode
-        backend.plan(one_request(num_tokens, pages, page_size, device))
-        q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
-        k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
-        backend.forward(0, q, k, v)
+    backend = backend_class(kv_cache, heads, kv_heads, head_dim)
+    backend.plan(one_request(num_tokens, pages, page_size, device))
+    q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
+    k, v = torch.randn(2, num_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    backend.forward(0, q, k, v)
     torch.cuda.synchronize(device)
 
 
@@ -198,6 +256,8 @@ class FlashInferBackend(AttentionBackend):
 
     supports_cuda_graphs = True
     per_vector_kv_scales = False
+    # Which prefill kernels: "auto" lets flashinfer choose (FA3 for 16-bit on Hopper).
+    prefill_backend = "auto"
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim)
@@ -218,7 +278,9 @@ class FlashInferBackend(AttentionBackend):
             {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if kv_cache.is_quantized else {}
         )
         self.prefill_wrapper = self._fenced(
-            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=self.prefill_backend
+            )
         )
         self.decode_wrapper = self._fenced(
             flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -226,6 +288,15 @@ class FlashInferBackend(AttentionBackend):
             )
         )
         self.graph_decode_wrappers: dict[int, FencedWrapper] = {}
+
+    @classmethod
+    def step_memory(
+        cls, shape: AttentionShape, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+        q_lens: list[int], kv_lens: list[int], num_graph_buckets: int = 0,
+    ) -> int:
+        # The kernels work in the shared workspace whatever the step: only the wrappers'
+        # schedules add to it, one for prefills, one for decodes and one per graph bucket.
+        return FLASHINFER_WORKSPACE_BYTES + (2 + num_graph_buckets) * FLASHINFER_INT_WORKSPACE_BYTES
 
     @staticmethod
     def _fenced(wrapper: Any) -> FencedWrapper:
@@ -275,3 +346,9 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(layer, k, v, self.metadata.slot_mapping)
         return self.wrapper.run(q, self.kv_cache.layer_cache(layer), **self.kv_scales)
+
+
+class FlashInferFA2Backend(FlashInferBackend):
+    """flashinfer with its FA2 prefill kernels, where the ones it picks (FA3) fail to build."""
+
+    prefill_backend = "fa2"

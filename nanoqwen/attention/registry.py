@@ -7,7 +7,11 @@ import logging
 import torch
 
 from nanoqwen.attention.base import AttentionBackend, AttentionShape
-from nanoqwen.attention.flashinfer_backend import FlashInferBackend, check_flashinfer
+from nanoqwen.attention.flashinfer_backend import (
+    FlashInferBackend,
+    FlashInferUnavailable,
+    flashinfer_backend_for,
+)
 from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.torch_backend import TorchBackend
 
@@ -30,15 +34,16 @@ def attention_backend_class(
     device: torch.device,
 ) -> type[AttentionBackend]:
     """The backend asked for by `name`; otherwise flashinfer on CUDA once its kernels for
-    `shape` (this rank's heads) are built and run, the torch backend everywhere else."""
+    `shape` (this rank's heads) are built and run (with its FA2 prefill if the kernels it
+    picks fail), the torch backend everywhere else."""
     if name not in (None, "flashinfer"):
         return ATTENTION_BACKENDS[name]
     if name is None and device.type != "cuda":
         return TorchBackend
-    reason = check_flashinfer(shape, page_size, dtype, kv_dtype, device)
-    if reason is None:
-        return FlashInferBackend
-    if name == "flashinfer":
-        raise ValueError(f"attention_backend='flashinfer' cannot run: {reason}")
-    logger.warning("%s; falling back to the slower torch attention backend", reason)
-    return TorchBackend
+    try:
+        return flashinfer_backend_for(shape, page_size, dtype, kv_dtype, device)
+    except FlashInferUnavailable as reason:
+        if name == "flashinfer":
+            raise ValueError(f"attention_backend='flashinfer' cannot run: {reason}") from None
+        logger.warning("%s; falling back to the slower torch attention backend", reason)
+        return TorchBackend

@@ -15,14 +15,19 @@ own way:
 * **Fresh prompts attend to their own new keys**: a prompt with nothing cached sees only
   this step's keys and values, so it needs no page at all. SDPA runs on its rows with
   `is_causal`, which also skips the masked half of the score matrix.
-* **Prefills with cached keys are padded into one batch**: a `PaddedGroup` (a prompt
-  continuing a chunk or a prefix-cache hit). Their pages are gathered into a reused
-  workspace and one SDPA call attends them all with a mask.
+* **Prefills with cached keys are padded into batches**: `PaddedGroup`s (prompts
+  continuing a chunk or hitting the prefix cache, rows verifying proposed tokens). Their
+  pages are gathered into a reused workspace and one SDPA call per group attends them
+  with a mask.
 
 A quantized cache (`kv_cache_dtype` int8 or fp8, see `memory/kv_cache.py`) has no sparse product
-in its storage type, so its decodes join the padded group: their pages are gathered and
-dequantized like a continuing prefill's. Fresh prompts still attend their own keys as
-computed, which are at hand before they are quantized.
+in its storage type, so its decodes are padded too, in a group of their own: their pages
+are gathered and dequantized like a continuing prefill's. Fresh prompts still attend their
+own keys as computed, which are at hand before they are quantized.
+
+Which request goes where, and how the padded ones are grouped and sliced so that no call
+outgrows a fixed share of memory however large the step, is decided on the host from the
+step's lengths alone (`torch_layout.py`), which also says what a step can need at most.
 
 The workspaces only grow: allocating tens of megabytes afresh per layer would make the
 CPU's allocator map and fault in new memory every time, which costs more than the copy.
@@ -39,8 +44,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
-from nanoqwen.memory.kv_cache import KVCache
+from nanoqwen.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
+from nanoqwen.attention.torch_layout import (
+    MAX_CALL_BYTES,
+    AttentionCosts,
+    PaddedSlice,
+    lay_out,
+    step_bytes,
+)
+from nanoqwen.memory.kv_cache import QUANTIZED_DTYPES, KVCache
 
 # torch multiplies sparse CSR matrices with a sampled dense product in these dtypes only.
 SPARSE_DTYPES = (torch.float32, torch.float64)
@@ -75,8 +87,9 @@ class SparseDecodeGroup:
 
 @dataclass
 class PaddedGroup:
-    """Requests attended by one SDPA call on copies of their pages: queries padded to
-    `[B, max_q]`, keys and values to whole pages."""
+    """Requests attended by one SDPA call on copies of their pages: a range of their
+    queries (all of them, unless one request is sliced), padded to `[B, max_q]`; keys and
+    values padded to whole pages."""
 
     query_rows: torch.Tensor  # [B, max_q] the row of q each padded query reads
     kv_pages: torch.Tensor  # [B, max_pages] each request's pages, padded with its last one
@@ -88,16 +101,31 @@ class PaddedGroup:
 class TorchBackend(AttentionBackend):
     """Batched attention in plain torch; runs anywhere (see the module docstring).
 
-    `plan` turns the CSR page table into index tensors once per step, and `forward`
-    attends each kind of request its own way.
+    `plan` lays the step out (`torch_layout.py`) and turns the CSR page table into index
+    tensors once per step, and `forward` attends each kind of request its own way.
     """
+
+    max_call_bytes = MAX_CALL_BYTES  # what one call may allocate (see `torch_layout.py`)
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim)
-        self.gathers_keys = kv_cache.dtype not in SPARSE_DTYPES
-        # Gathered pages: in the dtype attention computes in, and for decodes' keys in float32.
+        num_layers = kv_cache.kv.shape[0]
+        self.costs = attention_costs(
+            AttentionShape(num_layers, num_heads, num_kv_heads, head_dim), kv_cache.page_size,
+            kv_cache.dtype, kv_cache.kv.dtype,
+        )
+        # Gathered pages in the dtype attention computes in: keys (of decodes, then copied
+        # to float32, or of padded groups) and values (of padded groups only).
         self.key_workspace = self.value_workspace = kv_cache.kv.new_empty(0, dtype=kv_cache.dtype)
         self.float_key_workspace = kv_cache.kv.new_empty(0, dtype=torch.float32)
+
+    @classmethod
+    def step_memory(
+        cls, shape: AttentionShape, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+        q_lens: list[int], kv_lens: list[int], num_graph_buckets: int = 0,
+    ) -> int:
+        costs = attention_costs(shape, page_size, dtype, kv_dtype)
+        return step_bytes(costs, q_lens, kv_lens, cls.max_call_bytes)
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
@@ -106,33 +134,38 @@ class TorchBackend(AttentionBackend):
         kv_indptr = metadata.on_host("kv_indptr")
         q_lens = _lengths(qo_indptr)
         kv_lens = (_lengths(kv_indptr) - 1) * page_size + metadata.on_host("kv_last_page_len")
-        is_fresh = (q_lens > 1) & (q_lens == kv_lens)
-        # Decodes read a quantized cache through the padded group's dequantizing gather.
-        is_decode = (q_lens == 1) & (not self.kv_cache.is_quantized)
-        continuing = ~is_decode & ~is_fresh
+        layout = lay_out(self.costs, q_lens.tolist(), kv_lens.tolist(), self.max_call_bytes)
         q_starts = qo_indptr[:-1]
         self.fresh_rows = [
-            slice(int(q_starts[b]), int(q_starts[b] + q_lens[b])) for b in is_fresh.nonzero().flatten()
+            slice(int(q_starts[b]), int(q_starts[b] + q_lens[b])) for b in layout.fresh
         ]
-        self.decodes = self.padded = None
-        workspace_pages = 0
-        if is_decode.any():
-            self.decodes = self._plan_sparse(metadata, is_decode.nonzero().flatten(), kv_lens)
+        self.decodes = None
+        sparse_pages = 0
+        if layout.sparse:
+            decodes = torch.tensor(layout.sparse)
+            self.decodes = self._plan_sparse(metadata, decodes, kv_lens)
             if self.decodes.gathered_pages is not None:
-                workspace_pages = self.decodes.gathered_pages.numel()
-        if continuing.any():
-            requests = continuing.nonzero().flatten()
-            self.padded = self._plan_padded(metadata, requests, q_starts, q_lens, kv_lens)
-            workspace_pages = max(workspace_pages, self.padded.kv_pages.numel())
-        self._reserve_workspaces(workspace_pages)
+                sparse_pages = self.decodes.gathered_pages.numel()
+        self.padded = [
+            self._plan_padded(metadata, piece, q_starts, q_lens, kv_lens)
+            for piece in layout.padded
+        ]
+        padded_pages = max((group.kv_pages.numel() for group in self.padded), default=0)
+        self._reserve_workspaces(sparse_pages, padded_pages)
 
-    def _reserve_workspaces(self, num_pages: int) -> None:
+    def _reserve_workspaces(self, sparse_pages: int, padded_pages: int) -> None:
+        """Room for the decodes' gathered keys (also in float32) and a padded group's keys
+        and values: decodes read their values where they lie."""
         page_shape = self.kv_cache.layer_cache(0)[0].shape[1:]
-        if self.key_workspace.shape[0] < num_pages:
-            self.key_workspace = self.key_workspace.new_empty(num_pages, *page_shape)
-            self.value_workspace = torch.empty_like(self.key_workspace)
-        if self.gathers_keys and self.float_key_workspace.shape[0] < num_pages:
-            self.float_key_workspace = self.float_key_workspace.new_empty(num_pages, *page_shape)
+
+        def at_least(workspace: torch.Tensor, num_pages: int) -> torch.Tensor:
+            return workspace if workspace.shape[0] >= num_pages else workspace.new_empty(
+                num_pages, *page_shape
+            )
+
+        self.key_workspace = at_least(self.key_workspace, max(sparse_pages, padded_pages))
+        self.value_workspace = at_least(self.value_workspace, padded_pages)
+        self.float_key_workspace = at_least(self.float_key_workspace, sparse_pages)
 
     def _plan_sparse(
         self, metadata: AttentionMetadata, decodes: torch.Tensor, kv_lens: torch.Tensor
@@ -161,7 +194,7 @@ class TorchBackend(AttentionBackend):
 
         value_columns = columns(_page_table(metadata.kv_indptr, metadata.kv_indices, rows, max_pages))
         key_columns, num_key_pages, gathered_pages = value_columns, self.kv_cache.num_pages, None
-        if self.gathers_keys:
+        if self.costs.gathers_keys:
             # Gather the decodes' key pages, each once, and address the gathered copy: the
             # same page table, renumbered to the copy's pages 0, 1, 2, ...
             kv_indptr, entries = _select_rows(metadata.on_host("kv_indptr"), decodes)
@@ -178,7 +211,7 @@ class TorchBackend(AttentionBackend):
         row_lengths = kv_lens.repeat_interleave(self.num_heads)
         crow = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)]).to(device)
         num_rows = crow.numel() - 1
-        dtype = torch.float32 if self.gathers_keys else self.kv_cache.dtype
+        dtype = torch.float32 if self.costs.gathers_keys else self.kv_cache.dtype
         num_key_rows = num_key_pages * page_size * self.num_kv_heads
         return SparseDecodeGroup(
             query_rows=metadata.qo_indptr[:-1][rows].long(),
@@ -195,28 +228,28 @@ class TorchBackend(AttentionBackend):
     def _plan_padded(
         self,
         metadata: AttentionMetadata,
-        requests: torch.Tensor,
+        piece: PaddedSlice,
         q_starts: torch.Tensor,
         q_lens: torch.Tensor,
         kv_lens: torch.Tensor,
     ) -> PaddedGroup:
-        """Index tensors for `requests` (host indices into the batch, whose host-side query
-        starts, query lengths and KV lengths are given)."""
+        """Index tensors for the requests and queries of `piece`, given the batch's
+        host-side query starts, query lengths and KV lengths."""
         page_size, device = self.kv_cache.page_size, metadata.kv_indices.device
+        requests = torch.tensor(piece.requests)
         q_start, q_lens, kv_lens = q_starts[requests], q_lens[requests], kv_lens[requests]
-        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
 
         # Keys are gathered a page at a time (one contiguous block each), so a request's
         # keys span whole pages and the mask hides the slots past its length.
         kv_pages = _page_table(
             metadata.kv_indptr, metadata.kv_indices, requests.to(device, non_blocking=True),
-            -(-max_kv // page_size),
+            piece.num_pages,
         )
-        kv_pos = torch.arange(kv_pages.shape[1] * page_size, device=device)
+        kv_pos = torch.arange(piece.num_pages * page_size, device=device)
 
         # Query j of request b is row qo_start + j of q, at position kv_len - q_len + j; it
         # sees the keys at or before its position. Padding queries reuse the first row.
-        query_offset = torch.arange(max_q)
+        query_offset = torch.arange(piece.first_query, piece.first_query + piece.num_queries)
         is_real = query_offset[None, :] < q_lens[:, None]
         query_rows = torch.where(is_real, q_start[:, None] + query_offset, q_start[:, None])
         q_pos = (kv_lens - q_lens)[:, None] + query_offset
@@ -247,8 +280,8 @@ class TorchBackend(AttentionBackend):
                 queries, keys, values, is_causal=True, enable_gqa=True
             )
             out[rows] = attended[0].transpose(0, 1)
-        if self.padded is not None:
-            self._attend_padded(self.padded, layer, q, out)
+        for group in self.padded:
+            self._attend_padded(group, layer, q, out)
         return out
 
     def _attend_sparse(
@@ -304,6 +337,17 @@ class TorchBackend(AttentionBackend):
         )
         attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         out.index_copy_(0, group.output_rows, attended[group.real_queries])
+
+
+def attention_costs(
+    shape: AttentionShape, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> AttentionCosts:
+    """What attention costs the torch backend for a model of `shape` (this rank's heads),
+    computing in `dtype` on pages stored in `kv_dtype`."""
+    return AttentionCosts(
+        shape.num_heads, shape.num_kv_heads, shape.head_dim, page_size, dtype.itemsize,
+        gathers_keys=dtype not in SPARSE_DTYPES, quantized=kv_dtype in QUANTIZED_DTYPES,
+    )
 
 
 def _page_table(

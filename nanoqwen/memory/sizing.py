@@ -9,8 +9,10 @@ user asked for and what the device has:
   which the runner measures by running its worst step (`runner/memory_profile.py`); a
   `kv_cache_memory` fraction takes that share of what is free once the overhead is set
   aside;
-* on a CPU, which shares its RAM with everything else, a stated share of the available
-  memory, and never more than every sequence at full length could use.
+* on a CPU, which shares its RAM with everything else, what every sequence at full length
+  could use, but never more than a stated share of the machine's RAM (of its total, not
+  of what happens to be free at start-up, so that the cache is the same size every run);
+  a `kv_cache_memory` fraction takes that share of what is available.
 
 Every model that keeps K/V for the same tokens (a proposer's model beside the target) has a
 cache with the same pages, so a page costs the sum of their bytes per page.
@@ -21,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
-# On the CPU the cache shares RAM with everything else, so it takes this share of what is
-# available, and never more than every sequence at full length could use.
+# On the CPU the cache shares RAM with everything else: by default it takes at most this
+# share of the machine's RAM.
 CPU_KV_CACHE_FRACTION = 0.2
 
 
@@ -85,14 +87,16 @@ def pages_for(memory: float, page_bytes: int) -> int:
 
 
 def cpu_kv_memory(
-    available: float, fraction: float | None, worst: WorstStep, page_size: int, page_bytes: int
+    total: float, available: float, fraction: float | None, worst: WorstStep, page_size: int,
+    page_bytes: int,
 ) -> float:
-    """Bytes for the cache on a CPU with `available` bytes of RAM free (this rank's share)."""
+    """Bytes for the cache on a CPU with `total` bytes of RAM, `available` of them free
+    (this rank's shares of both)."""
     if fraction is not None:
         return fraction * available
     pages_per_sequence = -(-worst.max_model_len // page_size)
     every_sequence_full = worst.max_num_seqs * pages_per_sequence * page_bytes
-    return min(CPU_KV_CACHE_FRACTION * available, every_sequence_full)
+    return min(CPU_KV_CACHE_FRACTION * total, every_sequence_full)
 
 
 def gpu_kv_memory(

@@ -112,7 +112,7 @@ class DecodeGraphRunner:
         # (With tensor parallelism they are this rank's slice of the vocabulary.)
         self.all_rows = torch.arange(largest, device=self.device)
         self.logits = torch.zeros(
-            largest, model.lm_head.out_features, dtype=model.lm_head.weight.dtype,
+            largest, model.lm_head.out_features, dtype=model.model.norm.weight.dtype,
             device=self.device,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -23,15 +23,23 @@ with the CUDA allocator's counters, running the worst step through the same pipe
 every step (`pipeline.py`). It runs on a throwaway KV cache that holds one sequence of
 `max_model_len` tokens (which the real cache must hold anyway), whose pages every request
 of the profile shares: only memory is measured, never values.
+
+What attention needs in the worst step is also known without running it: each backend
+states an upper bound from the step's lengths (`AttentionBackend.step_memory`; the torch
+backend's plan follows the same arithmetic, `attention/torch_layout.py`). The profile
+refuses a step that cannot fit before running it (`worst_step_attention_bytes`), and the
+tests check that bound at a GPU's scale on the CPU.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from nanoqwen.attention.base import AttentionBackend, AttentionShape
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.memory.sizing import Overhead, WorstStep
 from nanoqwen.runner.pipeline import StepPipeline
@@ -40,6 +48,7 @@ from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request
 
+logger = logging.getLogger(__name__)
 # Every sampling option at once: penalties count each request's tokens over the whole
 # vocabulary, top-k/top-p sort it. The sampler's hungriest path.
 EVERY_SAMPLING_OPTION = SamplingParams(
@@ -52,6 +61,7 @@ class MemoryCounters(Protocol):
     def allocated(self) -> int: ...
     def reset_peak(self) -> None: ...
     def peak(self) -> int: ...
+    def free(self) -> int: ...
 
 
 class CudaMemory:
@@ -72,6 +82,13 @@ class CudaMemory:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
+    def free(self) -> int:
+        """Bytes the device has free, counting what the allocator holds cached."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+            self.device
+        )
+
 
 def profile_overhead(
     make_cache: Callable[[int], KVCache],
@@ -80,10 +97,20 @@ def profile_overhead(
     page_size: int,
     memory: MemoryCounters,
     backend_name: str,
+    attention_bytes: int | None = None,  # `worst_step_attention_bytes`, where known
 ) -> Overhead:
     """Measure the three kinds of overhead (see the module docstring)."""
+    cannot_fit = (
+        "the GPU ran out of memory measuring what the engine needs beside the KV cache "
+        f"(a step of {worst.max_num_seqs} sequences at max_model_len={worst.max_model_len} "
+        f"plus a {worst.chunk_size}-token prefill chunk, on the {backend_name} attention "
+        "backend): lower max_num_seqs, max_model_len or chunk_size"
+    )
     try:
         cache = make_cache(1 + -(-worst.max_model_len // page_size))
+        if attention_bytes is not None and attention_bytes > memory.free():
+            raise ValueError(f"{cannot_fit} (its attention alone needs up to "
+                             f"{attention_bytes / 2**30:.2f} GiB)")
         pages = list(range(1, cache.num_pages))  # every page but the scratch page
         start = memory.allocated()
         pipeline = make_pipeline(cache)
@@ -97,13 +124,33 @@ def profile_overhead(
             decodes = worst_step(pages, pipeline.graphs.buckets[-1], 0, worst.max_model_len)
             graph_pool = _peak_of(memory, lambda: pipeline.forward(pipeline.prepare(decodes)))
     except torch.cuda.OutOfMemoryError as error:
-        raise ValueError(
-            "the GPU ran out of memory measuring what the engine needs beside the KV cache "
-            f"(a step of {worst.max_num_seqs} sequences at max_model_len="
-            f"{worst.max_model_len} plus a {worst.chunk_size}-token prefill chunk, on the "
-            f"{backend_name} attention backend): lower max_num_seqs, max_model_len or chunk_size"
-        ) from error
+        raise ValueError(cannot_fit) from error
+    if attention_bytes is not None:
+        logger.info("worst step: attention needs at most %.2f GiB; the step took %.2f GiB",
+                    attention_bytes / 2**30, step / 2**30)
     return Overhead(resident=resident, step=step, graphs=graph_pool)
+
+
+def worst_step_attention_bytes(
+    backend_class: type[AttentionBackend],
+    shape: AttentionShape,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    worst: WorstStep,
+    num_graph_buckets: int,
+) -> int | None:
+    """At most how many bytes `backend_class` allocates beside the KV cache, its kept
+    buffers included, for a model of `shape` (one rank's heads) to run the worst step
+    (None where the backend does not say)."""
+    batch = worst_step(
+        [], worst.max_num_seqs, worst.chunk_size, worst.max_model_len, worst.max_proposed
+    )
+    q_lens = batch.num_new_tokens
+    kv_lens = [r.num_computed_tokens + n for r, n in zip(batch.requests, q_lens)]
+    return backend_class.step_memory(
+        shape, page_size, dtype, kv_dtype, q_lens, kv_lens, num_graph_buckets
+    )
 
 
 def worst_step(

@@ -20,6 +20,7 @@ split, docs/learn/11-tensor-parallelism.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -44,7 +45,11 @@ from nanoqwen.model.layers import split_across
 from nanoqwen.parallel.launch import ALONE, Ranks
 from nanoqwen.parallel.step_broadcast import WireStep
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner, decode_buckets
-from nanoqwen.runner.memory_profile import CudaMemory, profile_overhead
+from nanoqwen.runner.memory_profile import (
+    CudaMemory,
+    profile_overhead,
+    worst_step_attention_bytes,
+)
 from nanoqwen.runner.pipeline import StepPipeline, TokenChooser, sample_one_each
 from nanoqwen.runner.step_inputs import StepInputs
 from nanoqwen.sampling.sampler import Sampler
@@ -170,10 +175,15 @@ class ModelRunner:
         `memory_profile.py`); nothing is measured on a CPU."""
         if self.device.type != "cuda":
             return Overhead()
+        settings = self.settings
+        attention_bytes = worst_step_attention_bytes(
+            self.backend_class, self.shape, settings.page_size, settings.dtype,
+            settings.kv_storage_dtype, worst, len(self.decode_buckets),
+        )
         with on_device(self.device):
             overhead = profile_overhead(
-                self._make_cache, self._make_pipeline, worst, self.settings.page_size,
-                CudaMemory(self.device), self.backend_class.__name__,
+                self._make_cache, self._make_pipeline, worst, settings.page_size,
+                CudaMemory(self.device), self.backend_class.__name__, attention_bytes,
             )
             torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
         return overhead
@@ -231,7 +241,9 @@ class ModelRunner:
 def plan_kv_pages(runners: Sequence[ModelRunner], budget: KVBudget, worst: WorstStep) -> int:
     """How many pages every runner's KV cache gets (the scratch page included): all of
     `runners` keep K/V for the same tokens, in caches with the same pages, and every rank
-    of a split model calls this in step, to agree on what the tightest one can hold."""
+    of a split model calls this in step, to agree on what the tightest one can hold.
+
+    On a GPU, the rest of the engine's needs are measured first (`measure_overheads`)."""
     first = runners[0]
     if budget.num_pages is not None:
         return budget.num_pages
@@ -239,18 +251,34 @@ def plan_kv_pages(runners: Sequence[ModelRunner], budget: KVBudget, worst: Worst
     if budget.bytes_asked is not None:
         memory = budget.bytes_asked
     elif first.device.type == "cuda":
-        overhead = sum((runner.measure_overhead(worst) for runner in runners), Overhead())
+        overhead = measure_overheads(runners, worst)
         free, total = torch.cuda.mem_get_info(first.device)
         memory = gpu_kv_memory(
             free, total, overhead, budget.fraction_asked, budget.gpu_memory_utilization
         )
         logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / 2**30, overhead)
     else:
-        available = psutil.virtual_memory().available / first.num_ranks_on_host
+        ram, ranks = psutil.virtual_memory(), first.num_ranks_on_host
         memory = cpu_kv_memory(
-            available, budget.fraction_asked, worst, first.settings.page_size, page_bytes
+            ram.total / ranks, ram.available / ranks, budget.fraction_asked, worst,
+            first.settings.page_size, page_bytes,
         )
     return first.min_over_ranks(pages_for(memory, page_bytes))
+
+
+def measure_overheads(runners: Sequence[ModelRunner], worst: WorstStep) -> Overhead:
+    """What `runners` need on the GPU beside their weights and KV caches, each measured
+    running its own worst step (`worst_steps`)."""
+    steps = worst_steps(worst, len(runners))
+    return sum((runner.measure_overhead(step) for runner, step in zip(runners, steps)), Overhead())
+
+
+def worst_steps(worst: WorstStep, num_runners: int) -> list[WorstStep]:
+    """The worst step of each runner of `plan_kv_pages`: the engine's model's, then for the
+    others (a proposer's models) the same chunk and sequences without proposed tokens, as
+    they compute the model's rows before its proposer attaches any (and then one-token
+    rows): they never verify any."""
+    return [worst] + [dataclasses.replace(worst, max_proposed=0)] * (num_runners - 1)
 
 
 def start_runner(

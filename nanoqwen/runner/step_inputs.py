@@ -100,13 +100,18 @@ class StepInputs:
                    bucket=ints["bucket"])
 
     def to(self, device: torch.device) -> StepInputs:
-        """The step's tensors on `device` (the host copies of the page table stay)."""
+        """The step's tensors on `device` (the host copies of the page table stay), copied
+        from pinned memory without making the host wait for the device."""
         if device.type == "cpu":
             return self
-        moved = {name: getattr(self.metadata, name).to(device) for name in PAGE_TABLE_TENSORS}
+
+        def moved(host: torch.Tensor) -> torch.Tensor:
+            return host.pin_memory().to(device, non_blocking=True)
+
+        tensors = {name: moved(getattr(self.metadata, name)) for name in PAGE_TABLE_TENSORS}
         return dataclasses.replace(
-            self, input_ids=self.input_ids.to(device), sample_rows=self.sample_rows.to(device),
-            metadata=dataclasses.replace(self.metadata, **moved),
+            self, input_ids=moved(self.input_ids), sample_rows=moved(self.sample_rows),
+            metadata=dataclasses.replace(self.metadata, **tensors),
         )
 
 

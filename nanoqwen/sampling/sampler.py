@@ -86,11 +86,11 @@ class Sampler:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
         if greedy:
-            rows = _to_device(greedy, torch.int64, logits.device)
+            rows = to_device(greedy, torch.int64, logits.device)
             probs[rows, _argmax(logits[rows])] = 1.0
         if len(greedy) < len(requests):
             sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
-            rows = _to_device(sampled, torch.int64, logits.device)
+            rows = to_device(sampled, torch.int64, logits.device)
             kept = _filtered_probs(logits[rows], [requests[row] for row in sampled])
             probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
         return probs
@@ -129,7 +129,7 @@ def _choose(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.
     if len(sampled_rows) == len(requests):
         return _sample_rows(logits, requests)
     token_ids = _argmax(logits)
-    rows = _to_device(sampled_rows, torch.int64, logits.device)
+    rows = to_device(sampled_rows, torch.int64, logits.device)
     token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
     return token_ids
 
@@ -141,11 +141,11 @@ def _with_logprobs(
     """The chosen ids as a list, and each `scored` row's log-probabilities appended to its
     request, both brought to the host in one copy."""
     params = [requests[row].params for row in scored]
-    rows = _to_device(scored, torch.int64, logits.device)
+    rows = to_device(scored, torch.int64, logits.device)
     chosen_logits = logits[rows].float()
     temperatures = [p.scoring_temperature for p in params]
     if any(t != 1.0 for t in temperatures):
-        scale = _to_device(temperatures, torch.float32, logits.device)
+        scale = to_device(temperatures, torch.float32, logits.device)
         chosen_logits = chosen_logits / scale[:, None]
     k = max(p.logprobs for p in params)
     packed = score_rows(torch.log_softmax(chosen_logits, dim=-1), token_ids[rows], k)
@@ -182,15 +182,15 @@ def _process_logits(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -
             for r, uses in zip(requests, uses_repetition)
         ]
         seen = _token_counts(histories, vocab_size, device) > 0
-        penalty = _to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
+        penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
 
     if any(uses_output):
         outputs = [r.output_token_ids if uses else [] for r, uses in zip(requests, uses_output)]
         counts = _token_counts(outputs, vocab_size, device)
-        frequency = _to_device([p.frequency_penalty for p in params], torch.float32, device)
-        presence = _to_device([p.presence_penalty for p in params], torch.float32, device)
+        frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)
+        presence = to_device([p.presence_penalty for p in params], torch.float32, device)
         logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
     if constrained:  # last: nothing after it may lift a forbidden token off -inf
         apply_grammar_masks(logits, requests)
@@ -205,9 +205,9 @@ def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> N
             rows.append(row)
             token_ids.append(token_id)
             biases.append(bias)
-    index = (_to_device(rows, torch.int64, logits.device),
-             _to_device(token_ids, torch.int64, logits.device))
-    logits.index_put_(index, _to_device(biases, torch.float32, logits.device), accumulate=True)
+    index = (to_device(rows, torch.int64, logits.device),
+             to_device(token_ids, torch.int64, logits.device))
+    logits.index_put_(index, to_device(biases, torch.float32, logits.device), accumulate=True)
 
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
@@ -221,7 +221,7 @@ def _filtered_probs(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -
     params = [request.params for request in requests]
     logits = logits.float()
     if any(p.temperature != 1.0 for p in params):
-        temperature = _to_device([p.temperature for p in params], torch.float32, logits.device)
+        temperature = to_device([p.temperature for p in params], torch.float32, logits.device)
         logits = logits / temperature[:, None]
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -238,7 +238,7 @@ def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingPara
     """
     vocab_size, device = probs.shape[-1], probs.device
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    top_k = _to_device([p.top_k or vocab_size for p in params], torch.int64, device)
+    top_k = to_device([p.top_k or vocab_size for p in params], torch.int64, device)
     drop = torch.arange(vocab_size, device=device) >= top_k[:, None]
     if any(p.top_p < 1.0 for p in params):
         kept = sorted_probs.masked_fill(drop, 0.0)
@@ -247,7 +247,7 @@ def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingPara
         # Top-p applies to the distribution left by top-k, hence the scaling by the kept total.
         # Rows with top_p == 1 get an unreachable threshold: rounding in the cumulative sum
         # could otherwise drop their tail.
-        top_p = _to_device([p.top_p if p.top_p < 1.0 else math.inf for p in params],
+        top_p = to_device([p.top_p if p.top_p < 1.0 else math.inf for p in params],
                            torch.float32, device)
         # A token is in the nucleus if the mass strictly before it is still short of top_p;
         # the top token (mass_before 0) is therefore always kept.
@@ -261,7 +261,7 @@ def _drop_below_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
     The test is a ratio, so it gives the same answer before or after renormalisation.
     """
-    min_p = _to_device([p.min_p for p in params], torch.float32, probs.device)
+    min_p = to_device([p.min_p for p in params], torch.float32, probs.device)
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     probs.masked_fill_(probs < threshold, 0.0)
 
@@ -296,13 +296,13 @@ def _token_counts(token_lists: Sequence[list[int]], vocab_size: int,
     """
     width = max((len(ids) for ids in token_lists), default=0)
     padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
-    index = _to_device(padded, torch.int64, device)
+    index = to_device(padded, torch.int64, device)
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
     counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
     return counts[:, :vocab_size]
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Copy host values to ``device`` without making the host wait for queued GPU work.
 
     A blocking copy from pageable memory synchronises the stream; staging through pinned

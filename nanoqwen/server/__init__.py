@@ -14,8 +14,8 @@ Read it in this order:
 * `plumbing` and `app` — the `http.server` parts: deadlines, disconnects, who may call,
   Server-Sent Events, the connection cap and a shutdown that never waits on a client.
 
-`make_server(model, host, port, **options)` loads a model and returns a bound
-`OpenAIServer`; `serve.py` is its command line.
+`make_server(model, host, port, **options)` takes the port, loads a model and returns
+the bound `OpenAIServer`; `serve.py` is its command line.
 """
 
 from nanoqwen.server.app import (

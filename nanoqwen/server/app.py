@@ -11,13 +11,18 @@
   so that their threads end too: stopping takes seconds whatever the clients do.
 * **Reads.** Each connection must deliver its request within `read_timeout` (see
   `plumbing`), so an idle connection holds its slot only that long.
+
+`make_server` takes the port before it loads the model: loading can take minutes and most
+of the machine's memory, and a port that is in use should say so at once, not after.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -53,18 +58,33 @@ class OpenAIServer(ThreadingHTTPServer):
     # (or, on a busy machine, fail) TCP retransmits before they are even accepted.
     request_queue_size = 1024
 
-    def __init__(
-        self, address: tuple[str, int], engine: LLMEngine, settings: ServerSettings
-    ) -> None:
-        super().__init__(address, OpenAIHandler)
-        self.engine = engine
+    def __init__(self, address: tuple[str, int], settings: ServerSettings) -> None:
+        """Bind and listen on `address`; requests are answered once `serve_engine` is called
+        and `serve_forever` runs (until then connections wait in the listen backlog)."""
         self.settings = settings
-        self.created = int(time.time())
-        self.is_loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
-        self.engine_loop = EngineLoop(engine, engine.config.max_num_seqs + settings.max_queue)
-        self.metrics = ServerMetrics(self._engine_stats)
+        self.engine_loop: EngineLoop | None = None  # server_close() may come first
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
+        super().__init__(address, OpenAIHandler, bind_and_activate=False)
+
+    def listen(self) -> None:
+        """Take the address; a port in use (or any address refused) is a ValueError that
+        says so in one line."""
+        host, port = self.server_address[:2]
+        try:
+            self.server_bind()
+            self.server_activate()
+        except OSError as error:
+            self.socket.close()
+            raise ValueError(describe_bind_error(error, host, port)) from None
+        self.is_loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
+
+    def serve_engine(self, engine: LLMEngine) -> None:
+        """Start the engine thread that answers the requests `serve_forever` accepts."""
+        self.engine = engine
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self._engine_stats)
+        self.engine_loop = EngineLoop(engine, engine.config.max_num_seqs + self.settings.max_queue)
         self.engine_loop.start()
 
     def _engine_stats(self) -> dict[str, Any] | None:
@@ -94,7 +114,8 @@ class OpenAIServer(ThreadingHTTPServer):
             self._connections_changed.notify_all()
 
     def server_close(self) -> None:
-        self.engine_loop.stop()
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
         with self._connections_changed:
             self._connections_changed.wait_for(
                 lambda: not self._connections, timeout=SHUTDOWN_GRACE_SECONDS
@@ -144,7 +165,8 @@ def make_server(
     allowed_origins: tuple[str, ...] | list[str] = (),
     **engine_options: Any,
 ) -> OpenAIServer:
-    """Load `model` into an engine and bind a server to (host, port); port 0 picks a free one.
+    """Bind a server to (host, port), then load `model` into its engine; port 0 picks a
+    free one. An address that can't be taken is a ValueError, raised before the load.
 
     `engine_options` go to `LLMEngine` (device, dtype, max_num_seqs, ...). The server is
     bound but not yet serving: run `serve_forever()`, e.g. in a thread.
@@ -155,5 +177,29 @@ def make_server(
         max_connections=max_connections, read_timeout=read_timeout,
         allowed_origins=tuple(allowed_origins),
     )
-    engine = LLMEngine(model, **engine_options)
-    return OpenAIServer((host, port), engine, settings)
+    server = OpenAIServer((host, port), settings)
+    # Under torchrun every rank runs this, and ranks above 0 serve steps for rank 0 inside
+    # LLMEngine(...) until it stops, never returning: they must leave the port to rank 0.
+    takes_port_first = os.environ.get("RANK", "0") == "0"
+    try:
+        if takes_port_first:
+            server.listen()
+        engine = LLMEngine(model, **engine_options)
+        if not takes_port_first:
+            server.listen()
+    except BaseException:
+        server.server_close()
+        raise
+    server.serve_engine(engine)
+    return server
+
+
+def describe_bind_error(error: OSError, host: str, port: int) -> str:
+    """Why the server cannot listen on (host, port), in one line."""
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} is in use (on {host}): stop what holds it, or pick another port"
+    if error.errno == errno.EACCES:
+        return f"no permission to listen on port {port} (ports below 1024 need privileges)"
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine"
+    return f"cannot listen on {host}:{port}: {error.strerror or error}"

@@ -38,32 +38,40 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.config import EngineConfig
-from nanoqwen.runner.runner import ModelRunner, RunnerSettings
+from nanoqwen.runner.runner import ModelRunner, RunnerSettings, on_device
 from nanoqwen.sampling.sampler import Sampler, draw
 from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
-from nanoqwen.speculative.verification import DraftRow, sample_with_drafts
+from nanoqwen.speculative.verification import DraftRow, sample_with_drafts, select_rows
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
 
 
 @dataclass
 class SpeculationStats:
-    """What speculation achieved so far, as `LLMEngine.stats()` reports it."""
+    """What speculation achieved so far: the `speculative` group of `LLMEngine.stats()`.
 
-    proposed: int = 0  # draft tokens verified
-    accepted: int = 0  # of them, the ones the target agreed with
-    verifications: int = 0  # request-steps that verified at least one draft
+    | key | meaning |
+    |---|---|
+    | `proposed_tokens` | draft tokens proposed and verified |
+    | `accepted_tokens` | of them, those the target model agreed with |
+    | `verifications` | request-steps that verified at least one draft token |
+    | `acceptance_rate` | `accepted_tokens / proposed_tokens` (0 before any proposal) |
+    | `mean_accepted_length` | tokens per verification: the accepted drafts, plus the target's |
+    """
+
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "spec_proposed_tokens": self.proposed,
-            "spec_accepted_tokens": self.accepted,
-            "spec_verifications": self.verifications,
-            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            # Tokens one verification yields: the accepted drafts, plus the target's own.
-            "spec_mean_accepted_length": (
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "verifications": self.verifications,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_accepted_length": (
                 (self.accepted + self.verifications) / self.verifications
                 if self.verifications
                 else 0.0
@@ -83,6 +91,10 @@ class Proposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+
+    def stats_group(self) -> dict[str, dict[str, Any]]:
+        """`LLMEngine.stats()`'s `speculative` group; none when nothing is ever proposed."""
+        return {"speculative": self.stats.as_dict()} if self.num_speculative_tokens else {}
 
     @property
     def max_proposed(self) -> int:
@@ -235,12 +247,20 @@ class DraftModelProposer(Proposer):
             wanted = self.wanted(batch, index)
             if wanted:
                 num_drafts[index] = self.reserve(batch, index, wanted, scheduler)
+        # The engine calls this from whichever thread steps it, whose current CUDA device
+        # may be another GPU's: the draft's passes, and its sampling, run on the draft's.
+        with on_device(self.runner.device):
+            self._draft(batch, num_drafts)
+
+    def _draft(self, batch: ScheduledBatch, num_drafts: dict[int, int]) -> None:
+        """Run the target's rows through the draft model, then `num_drafts[index]` one-token
+        passes for row `index`, appending each sampled draft to its request."""
         sampled = [index for index in range(len(batch)) if batch.reaches_last_token(index)]
         # The target's rows first, so the draft's K/V keeps up with the target's.
         logits = self._logits(batch)
         rows = [row for row, index in enumerate(sampled) if num_drafts.get(index)]
         drafting = [sampled[row] for row in rows]
-        self._extend([batch.requests[i] for i in drafting], logits[rows])
+        self._extend([batch.requests[i] for i in drafting], select_rows(logits, rows))
         # Then one token per pass: the K/V of the latest draft, and the logits of the next.
         targets = {batch.requests[i]: num_drafts[i] for i in drafting}
         for position in range(max(targets.values(), default=0)):
@@ -249,7 +269,7 @@ class DraftModelProposer(Proposer):
                 feeding, [1] * len(feeding), starts=[r.num_tokens + position for r in feeding]
             ))
             growing = [row for row, r in enumerate(feeding) if targets[r] > position + 1]
-            self._extend([feeding[row] for row in growing], logits[growing])
+            self._extend([feeding[row] for row in growing], select_rows(logits, growing))
         for index in drafting:
             batch.num_new_tokens[index] += len(batch.requests[index].proposed_token_ids)
 

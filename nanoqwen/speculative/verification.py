@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.sampler import Sampler, draw, uniform_noise
+from nanoqwen.sampling.sampler import Sampler, draw, to_device, uniform_noise
 from nanoqwen.scheduling.request import Request
 
 
@@ -94,24 +94,25 @@ def sample_with_drafts(
         greedy_requests = [requests[i] for i in greedy]
         rows = [blocks[i].start for i in plain] + [row for i in greedy for row in blocks[i]]
         chosen = sampler.sample(
-            _rows(logits, rows), [requests[i] for i in plain] + draft_rows(greedy_requests)
+            select_rows(logits, rows), [requests[i] for i in plain] + draft_rows(greedy_requests)
         )
         for i, token_id in zip(plain, chosen):
             new_tokens[i] = [token_id]
         for i, tokens in zip(greedy, _accept_greedy(greedy_requests, chosen[len(plain) :])):
             new_tokens[i] = tokens
     if sampled:
-        block = _rows(logits, [row for i in sampled for row in blocks[i]])
+        block = select_rows(logits, [row for i in sampled for row in blocks[i]])
         verified = _verify_sampled(sampler, block, [requests[i] for i in sampled], draft_probs)
         for i, tokens in zip(sampled, verified):
             new_tokens[i] = tokens
     return new_tokens
 
 
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of `logits`; the index reaches the device without making the host wait."""
     if rows == list(range(logits.shape[0])):
         return logits
-    return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+    return logits[to_device(rows, torch.int64, logits.device)]
 
 
 def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
@@ -136,9 +137,9 @@ def _verify_sampled(
     p = sampler.distribution(logits, rows)
     q = torch.zeros_like(p)  # zero on the last row of each block: its residual is p itself
     drafts = _drafts_by_row(requests)
-    index = torch.tensor([i for i, d in enumerate(drafts) if d is not None], dtype=torch.int64)
-    ids = torch.tensor([d for d in drafts if d is not None], dtype=torch.int64)
-    index, ids = index.to(p.device), ids.to(p.device)
+    checked_rows = [i for i, d in enumerate(drafts) if d is not None]
+    index = to_device(checked_rows, torch.int64, p.device)
+    ids = to_device([d for d in drafts if d is not None], torch.int64, p.device)
     row = 0
     for request in requests:
         num_drafts = len(request.proposed_token_ids)
@@ -154,7 +155,7 @@ def _verify_sampled(
     residual[empty] = p[empty]
     tokens = draw(residual, rows)
     # Accept draft x with probability min(1, p(x) / q(x)): u < p(x) / q(x), u ~ U[0, 1).
-    u = uniform_noise([rows[i] for i in index.tolist()], p.device)
+    u = uniform_noise([rows[i] for i in checked_rows], p.device)
     accepted = u * q[index, ids] < p[index, ids]
     host = torch.cat([tokens, accepted.long()]).tolist()  # one device-to-host copy
     accepted_by_row = iter(host[len(rows) :])

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -20,6 +21,8 @@ from nanoqwen.weights.gguf import is_gguf_file, load_gguf_tokenizer
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # For checkpoints that publish no sampling settings: Qwen3's published chat settings.
 FALLBACK_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+# Texts no chat template changes, to find where it puts a message's content.
+_SYSTEM_MARKER, _USER_MARKER = "nanoqwen-system-marker", "nanoqwen-user-marker"
 # Byte-level BPE writes byte b as the printable character bytes_to_unicode()[b].
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
@@ -91,6 +94,31 @@ class Tokenizer:
             return_dict=False,  # transformers 5 returns a BatchEncoding by default
             **template_variables,
         )
+
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the chat template writes into a conversation that has none
+        (Qwen2.5's "You are Qwen, created by Alibaba Cloud. ..."), or None.
+
+        Found by rendering one user message twice, alone and after a system message whose
+        text is a marker: what the first rendering has where the second has the marker is
+        the template's default.
+        """
+        user = [{"role": "user", "content": _USER_MARKER}]
+        try:
+            alone = self._render(user)
+            marked = self._render([{"role": "system", "content": _SYSTEM_MARKER}, *user])
+        except (ValueError, TemplateError):  # no template, or one that takes no system role
+            return None
+        before_user = alone[: alone.index(_USER_MARKER)]
+        head, _, tail = marked[: marked.index(_USER_MARKER)].partition(_SYSTEM_MARKER)
+        if len(before_user) > len(head) + len(tail) and before_user.startswith(head) and (
+            before_user.endswith(tail)
+        ):
+            return before_user[len(head) : len(before_user) - len(tail)]
+        return None
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, as text (special tokens included; a token holding part of

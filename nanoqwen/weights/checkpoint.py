@@ -73,8 +73,15 @@ CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 def resolve_model_path(model: str) -> str:
     """A local directory or GGUF file as is; otherwise a hub id, downloaded (or found in the
-    local cache)."""
-    if os.path.isdir(model) or is_gguf_file(model):
+    local cache). A directory must hold a config.json."""
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(
+                f"no config.json in {model}: pass a Qwen2/Qwen3 checkpoint directory, "
+                "a .gguf file or a hub id"
+            )
+        return model
+    if is_gguf_file(model):
         return model
     if os.path.isfile(model):
         raise ValueError(f"{model} is a file: pass a checkpoint directory or a .gguf file")

@@ -94,7 +94,7 @@ def load_model(
     for name, (_, _, num_blocks) in params.items():
         if len(filled[name]) < num_blocks:
             raise ValueError(f"missing weight {name!r} in checkpoint {path}")
-    scheme = runtime_quantization(quantization, checkpoint)
+    scheme = runtime_quantization(quantization, checkpoint, device)
     if scheme is not None:
         quantize_linears(model, scheme)
     return model.eval()
@@ -117,11 +117,21 @@ def parameter_loaders(model: nn.Module) -> dict[str, tuple[torch.Tensor, Loader,
 
 
 def runtime_quantization(
-    quantization: str | None, checkpoint: Checkpoint
+    quantization: str | None, checkpoint: Checkpoint, device: torch.device
 ) -> WeightQuantization | None:
-    """What `quantization` asks for: None follows the checkpoint, "none" keeps full weights."""
+    """What `quantization` asks for: None follows the checkpoint, "none" keeps full weights.
+
+    Following a 4-bit GGUF file on a CPU means int8 there: rounding GGUF's 4-bit blocks
+    (each with its own scale and minimum) onto torchao's 4-bit grid loses much more than
+    onto 8 bits per row, and torch's CPU int8 kernel is faster than its int4 one
+    (`quantization.py`). GPTQ/AWQ groups map onto the int4 grid as they are, and keep it.
+    Asked for by name, int4 is int4.
+    """
     own = checkpoint.quantization
     if quantization is None:
+        faithful_on_cpu = checkpoint.is_gguf and device.type == "cpu"
+        if own is not None and own.mode == "int4" and faithful_on_cpu:
+            return WeightQuantization("int8")
         return own
     if quantization == "none":
         return None

@@ -9,15 +9,24 @@ activations in floating point: the matmul kernel dequantizes the codes as it rea
 * **int4**: a scale and a zero point per group of `group_size` input channels,
   `w ≈ (code - 8) * scale + zero`: an eighth of float32's bytes, plus the groups' scales.
 
-torchao does the work: `quantize_` swaps a layer's weight for a tensor subclass holding the
-codes and scales, whose matmul calls a kernel for them. Only the decoder's linear layers
-are quantized; the embedding and the lm_head stay in the model's dtype, as GPTQ and AWQ
-checkpoints keep them. Kernels exist (torchao 0.18, torch 2.13) for
+torchao does the work on a GPU, and for int4: `quantize_` swaps a layer's weight for a
+tensor subclass holding the codes and scales, whose matmul calls a kernel for them. Only the
+decoder's linear layers are quantized there; the embedding and the lm_head stay in the
+model's dtype, as GPTQ and AWQ checkpoints keep them. Kernels exist (torchao 0.18, torch
+2.13) for
 
 * int8 on any device and dtype (the codes are converted to the dtype per matmul);
 * int4 in bfloat16 only: `_weight_int4pack_mm_for_cpu` on the CPU, tinygemm on CUDA.
   The CPU kernel accepts float32 and float16 too, but runs them 15-80x slower than a
   dense float32 matmul, so we treat it as missing there.
+
+**int8 on a CPU** is `Int8Linear` instead: torch's own int8 kernel
+(`_weight_int8pack_mm`), fed bfloat16 activations (it is fast for those alone), and the
+lm_head too, since at batch 1 the vocabulary projection is a large share of what a token
+reads. torchao's int8 tensor reaches that kernel only after slower paths: for one
+token through a 1536 x 8960 layer on 2 AVX2 cores, 0.6 ms here against 3.0 ms (bfloat16)
+and 25 ms (float32) through torchao, and 3.4 ms dense in float32 (`docs/learn/`, the
+quantization note, has the commands).
 
 Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
 """
@@ -25,7 +34,8 @@ Where no kernel fits, the weights stay dequantized in the model's dtype, with on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,12 +49,24 @@ logger = logging.getLogger(__name__)
 
 # int4 group sizes every int4 kernel above takes, largest (fewest scales) first.
 INT4_GROUP_SIZES = (128, 64, 32)
+# What importing torchao logs that says nothing a user can act on, by logger: a warning for
+# each optional CUDA extension a CPU build of torch cannot load, and torch's notice that
+# torchao registers its enums in a way torch has deprecated. The weight-only paths used
+# here need none of those extensions.
+TORCHAO_IMPORT_NOISE = {
+    "torchao": re.compile(r"^Failed to load \S*_C_\w*[.\w-]*\.so\b"),
+    "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported"),
+}
 
 
 def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
-    """Swap the weights of the decoder's linear layers for torchao's quantized tensors, in place."""
+    """Keep the decoder's linear layers quantized, in place: as `Int8Linear`s for int8 on a
+    CPU (the lm_head too), else their weights as torchao's quantized tensors."""
     linears = [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
     weight = linears[0].weight
+    if scheme.mode == "int8" and weight.device.type == "cpu":
+        swap_modules(model, lambda module: isinstance(module, nn.Linear), Int8Linear)
+        return
     in_features = [linear.in_features for linear in linears]
     config, reason = torchao_config(scheme, in_features, weight.device, weight.dtype)
     if config is None:
@@ -83,7 +105,7 @@ def torchao_config(
     if dtype != torch.bfloat16:
         return None, (
             f"int4 weight-only matmuls are fast only in bfloat16, not {_dtype_name(dtype)} "
-            "(use dtype='bfloat16')"
+            "(run in bfloat16: dtype='bfloat16', or --dtype bf16 on the command line)"
         )
     group_size = int4_group_size(scheme.group_size, in_features)
     if group_size is None:
@@ -98,6 +120,40 @@ def torchao_config(
     return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False), ""
 
 
+class Int8Linear(nn.Module):
+    """A linear layer kept as int8 codes with one scale per output row, `w ≈ code * scale`,
+    multiplied by torch's CPU kernel for them in bfloat16 (the result in the input's dtype)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("codes", (weight / scales[:, None]).round().to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these codes stand for, `[out_features, in_features]`, in float32."""
+        return self.codes.float() * self.scales.float()[:, None]
+
+
+def swap_modules(
+    model: nn.Module, wanted: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]
+) -> None:
+    """Replace every submodule `wanted` says yes to by `make(it)`, in place."""
+    for name, module in list(model.named_modules()):
+        if name and wanted(module):
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, make(module))
+
+
 def int4_group_size(requested: int, in_features: list[int]) -> int | None:
     """The largest supported group size, at most `requested`, that divides every layer's inputs."""
     for size in INT4_GROUP_SIZES:
@@ -107,9 +163,10 @@ def int4_group_size(requested: int, in_features: list[int]) -> int | None:
 
 
 def weight_memory_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters, a tied weight once, quantized ones as their
-    codes plus scales and zero points."""
-    return sum(tensor_bytes(parameter) for parameter in model.parameters())
+    """Bytes held by the model's parameters (a tied weight once, quantized ones as their
+    codes plus scales and zero points) and by `Int8Linear`s' codes and scales."""
+    codes = [t for m in model.modules() if isinstance(m, Int8Linear) for t in (m.codes, m.scales)]
+    return sum(tensor_bytes(tensor) for tensor in (*model.parameters(), *codes))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -123,17 +180,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class DropMatching(logging.Filter):
+    """Drops the records of a logger whose message matches `pattern`; the rest pass."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def torchao_import_noise() -> list[tuple[logging.Logger, DropMatching]]:
+    """A filter for each logger of `TORCHAO_IMPORT_NOISE`, to add to it."""
+    return [
+        (logging.getLogger(name), DropMatching(pattern))
+        for name, pattern in TORCHAO_IMPORT_NOISE.items()
+    ]
+
+
 @contextmanager
 def _quiet_torchao_import() -> Iterator[None]:
-    """torchao tries its optional CUDA extensions on import and logs a warning for each one a
-    CPU build of torch cannot load (and torch one for each of its enums); the weight-only
-    paths used here need none of them."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [each.level for each in loggers]
-    for each in loggers:
-        each.setLevel(logging.ERROR)
+    """Import torchao without `TORCHAO_IMPORT_NOISE` (the command lines drop it for good,
+    as another library's import of torchao sends it too)."""
+    filters = torchao_import_noise()
+    for each, drop in filters:
+        each.addFilter(drop)
     try:
         yield
     finally:
-        for each, level in zip(loggers, levels):
-            each.setLevel(level)
+        for each, drop in filters:
+            each.removeFilter(drop)

@@ -1,0 +1,81 @@
+"""What `LLMEngine.stats()` reports: the engine's own counters, one group per thing counted.
+
+A serving engine is watched through a handful of figures: how full the KV cache is, how
+many requests run and wait, how much the prefix cache saves. `stats()` returns them as a
+dict of groups, each a dict of plain numbers (or of counts by cause), so a script, the
+chat's `/stats`, the benchmark and the Prometheus page (`metrics.py`) all read the same
+figures. A group exists only while its feature is on: no `prefix_cache` group without the
+prefix cache, and an optional feature adds its group itself (the proposer's, through
+`Proposer.stats_group()`, documented there). Counts run from the engine's start; "now"
+marks a value of this moment.
+
+| group | key | meaning |
+|---|---|---|
+| `kv_cache` | `pages_total` | pages requests can hold (the pool has one more, the scratch page) |
+| | `pages_used` | now held by requests |
+| | `pages_cached` | now held only by the prefix cache: reusable, evicted when pages run out |
+| | `pages_free` | now free |
+| | `page_size` | tokens per page |
+| | `capacity_tokens` | `pages_total × page_size`: tokens of K/V the cache holds at once |
+| | `bytes` | the KV tensors' memory, every rank's together (a quantized cache's scales too) |
+| `requests` | `running` | now in the running batch |
+| | `waiting` | now queued for admission (preempted ones included) |
+| | `finished` | by reason: `stop`, `length`, `abort` |
+| | `preemptions` | running requests preempted (pages released, recomputed later) |
+| | `preemptions_by_cause` | `kv_pages`: out of pages; `max_num_seqs`: a more urgent one came |
+| `tokens` | `prompt` | prompt tokens received |
+| | `generated` | tokens generated |
+| `prefix_cache` | `query_tokens` | prompt tokens looked up in the cache |
+| | `hit_tokens` | of them, those whose K/V was reused |
+| | `hit_rate` | `hit_tokens / query_tokens` (0 before any lookup) |
+| | `evicted_pages` | cached pages evicted to make room |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanoqwen.memory.page_allocator import PageAllocator
+from nanoqwen.memory.radix_cache import RadixCache
+from nanoqwen.scheduling.scheduler import Scheduler
+
+Stats = dict[str, dict[str, Any]]
+
+
+def kv_cache_group(allocator: PageAllocator, kv_cache_bytes: int) -> dict[str, int]:
+    free, cached = allocator.num_free_pages, allocator.num_cache_only_pages
+    total = allocator.num_usable_pages
+    return {
+        "pages_total": total,
+        "pages_used": total - free - cached,
+        "pages_cached": cached,
+        "pages_free": free,
+        "page_size": allocator.page_size,
+        "capacity_tokens": total * allocator.page_size,
+        "bytes": kv_cache_bytes,
+    }
+
+
+def requests_group(scheduler: Scheduler, finished: dict[str, int]) -> dict[str, Any]:
+    return {
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "finished": dict(finished),
+        "preemptions": sum(scheduler.preemptions.values()),
+        "preemptions_by_cause": dict(scheduler.preemptions),
+    }
+
+
+def prefix_cache_group(cache: RadixCache | None) -> Stats:
+    """The `prefix_cache` group, or nothing when the engine runs without one."""
+    if cache is None:
+        return {}
+    query, hits = cache.query_tokens, cache.hit_tokens
+    return {
+        "prefix_cache": {
+            "query_tokens": query,
+            "hit_tokens": hits,
+            "hit_rate": hits / query if query else 0.0,
+            "evicted_pages": cache.evicted_pages,
+        }
+    }
