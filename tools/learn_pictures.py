@@ -453,8 +453,9 @@ def collect_pool(model: str) -> list[PoolStep]:
     while engine.has_unfinished_requests():
         engine.step()
         stats = engine.stats()
-        history.append(PoolStep(stats["pages_used"], stats["pages_cached"], stats["pages_free"],
-                                stats["preemptions"]))
+        pages = stats["kv_cache"]
+        history.append(PoolStep(pages["pages_used"], pages["pages_cached"], pages["pages_free"],
+                                stats["requests"]["preemptions"]))
     return history
 
 
