@@ -6,7 +6,8 @@ the end of each parallel region instead of spinning. A decode step is hundreds o
 parallel regions, and spinning threads steal the core a descheduled one needs as soon as
 another process shares the cores: measured on 2 cores with one busy process beside
 nanoqwen, batch-1 decode kept 56% of its quiet speed passive and 31% spinning, for 2-4%
-of quiet speed (the README's "On a CPU, beside vLLM and llama.cpp" has the figures and commands).
+of quiet speed (docs/benchmarks.md, "On a CPU, beside vLLM and llama.cpp", has the figures
+and commands).
 """
 
 import os

@@ -21,7 +21,8 @@ from tools import learn_pictures
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ROOT / "docs" / "learn"
 NOTES = sorted(LEARN.glob("[0-9][0-9]-*.md"))
-PAGES = [LEARN / "README.md", *NOTES, *sorted((ROOT / "docs").glob("*.md"))]
+REFERENCE = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", LEARN / "README.md", *NOTES, *REFERENCE]
 SECTIONS = (
     "The problem", "The idea", "The code", "How vLLM and SGLang do it", "Measured",
     "Questions", "References",
@@ -103,6 +104,16 @@ def test_named_symbols_exist(page: Path) -> None:
     names = {s for s in CODE_SPAN.findall(page.read_text()) if SYMBOL.fullmatch(s)}
     for name in sorted(names):
         resolve(name)
+
+
+def test_the_readme_leads_to_the_learning_path_and_the_reference() -> None:
+    """A newcomer sees the learning path on the first screen, and every docs/ page is linked."""
+    readme = (ROOT / "README.md").read_text()
+    first_screen = "\n".join(readme.splitlines()[:40])
+    assert "](docs/learn/README.md)" in first_screen
+    linked = set(LINK.findall(readme))
+    orphans = [rel(page) for page in REFERENCE if rel(page) not in linked]
+    assert not orphans, f"the README links no {orphans}"
 
 
 def test_docstrings_point_to_pages_that_exist() -> None:

@@ -3,7 +3,7 @@
 OpenAI keeps adding request fields. A client that sends one it relies on must never get a
 200 that quietly ignored it, so for every route this module sorts the fields into:
 
-* **supported**: implemented (the README's table lists them);
+* **supported**: implemented (the tables of docs/server.md list them);
 * **labels**: OpenAI fields that only tag a request for the caller's own bookkeeping
   (`user`, `metadata`, ...): accepted, no effect on the answer;
 * **unsupported**: every other OpenAI field: a 400 naming it, unless its value is the one
