@@ -92,7 +92,8 @@ def test_a_real_step_failure_fails_only_its_request(qwen3_dir: str) -> None:
         # its top-k tensor, so the step that samples this request fails.
         poisoned = SamplingParams(top_k=2**63, max_tokens=4)
         prompt_ids = server.engine.encode_prompt("hello world")
-        submission = server.engine_loop.submit([(prompt_ids, poisoned)], "poisoned")
+        with server.engine_loop.reserve(1) as reservation:
+            submission = reservation.submit([(prompt_ids, poisoned)], "poisoned")
         with pytest.raises(RequestFailed):
             for _ in range(100):
                 submission.next_output(timeout=0.1)
