@@ -396,11 +396,14 @@ def test_a_long_stop_list_still_stops_at_the_first_match(qwen3_dir: str) -> None
         assert (choice["text"], choice["finish_reason"]) == (full[: full.index(full[4:6])], "stop")
 
 
-def test_a_client_that_stops_reading_has_its_request_aborted(qwen3_dir: str) -> None:
+def test_a_client_that_stops_reading_has_its_request_aborted(
+    qwen3_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A stream of 8 choices to a client that reads nothing: once the send buffer is full,
     the server waits `write_timeout`, then aborts all 8, freeing their KV pages."""
     body = {"prompt": "hi", "n": 8, "stream": True, "logprobs": 20, **LONG_RUNNING}
-    with running_server(qwen3_dir, write_timeout=0.5) as server:
+    with caplog.at_level(logging.INFO, logger="nanoqwen.server"), \
+            running_server(qwen3_dir, write_timeout=0.5) as server:
         with socket.socket() as silent:
             silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             silent.connect(server.server_address[:2])
@@ -413,3 +416,5 @@ def test_a_client_that_stops_reading_has_its_request_aborted(qwen3_dir: str) -> 
             wait_until(lambda: scrape(server)[ABORTS] == 8, timeout=60)
             assert no_pages_held(server)
             assert good_request_succeeds(server)
+    assert any("499" in record.getMessage() and "client stopped reading" in record.getMessage()
+               for record in caplog.records)

@@ -152,11 +152,13 @@ class AccessRecord:
 
 @contextmanager
 def client_writes() -> Iterator[None]:
-    """A failed write means the client went away."""
+    """A failed write means the client went away (or stopped reading: as good as gone)."""
     try:
         yield
+    except TimeoutError as error:
+        raise ClientDisconnected("client stopped reading") from error
     except OSError as error:
-        raise ClientDisconnected from error
+        raise ClientDisconnected("client disconnected") from error
 
 
 def is_loopback_host(host: str) -> bool:
@@ -221,8 +223,8 @@ class HTTPHandler(BaseHTTPRequestHandler):
                 self._send_error(APIError(
                     408, "the request was not received in time", code="request_timeout"
                 ))
-        except ClientDisconnected:
-            self.record.outcome = "client disconnected"
+        except ClientDisconnected as error:
+            self.record.outcome = str(error) or "client disconnected"
         except Exception as error:
             self._send_error(self._as_api_error(error))
         finally:
