@@ -23,8 +23,9 @@ from nanoqwen.sampling.grammar import StructuredOutput
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs and vLLM allow
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]: enough to ban or force a token
-# Stop strings cost memory and setup per request: bounded, far above what anyone needs
-# (OpenAI allows 4 stop strings). Matching costs no more for more of them (`stop_strings`).
+# Stop lists cost memory and setup per request, and stop ids a scan per token: bounded, far
+# above what anyone needs (OpenAI allows 4 stop strings). Matching stop strings costs no
+# more per token for more of them (`nanoqwen/text/stop_strings.py`).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
