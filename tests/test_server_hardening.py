@@ -43,6 +43,11 @@ from server_helpers import (
 )
 
 from nanoqwen import SamplingParams, StepError
+from nanoqwen.sampling.params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from nanoqwen.server import OpenAIServer
 from nanoqwen.server.engine_loop import RequestFailed
 
@@ -80,8 +85,8 @@ ABSURD_VALUES = [
     ("repetition_penalty", 1e-30), ("stop_token_ids", [10**30]),
     # An integer no float can hold (an OverflowError, and a 500, once).
     *[(field, 10**400) for field in FLOAT_FIELDS], ("logit_bias", {"5": 10**400}),
-    ("stop", [f"s{i}" for i in range(300_000)]), ("stop", "x" * 513),
-    ("stop_token_ids", list(range(257))),
+    ("stop", [f"s{i}" for i in range(300_000)]), ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
 ]
 
 
@@ -391,7 +396,7 @@ def test_a_long_stop_list_still_stops_at_the_first_match(qwen3_dir: str) -> None
     with running_server(qwen3_dir) as server:
         body = {"prompt": "the lazy dog", **GREEDY}
         full = call(server, "POST", "/v1/completions", body)[2]["choices"][0]["text"]
-        stop = [f"never {i}" for i in range(63)] + [full[4:6]]
+        stop = [f"never {i}" for i in range(MAX_STOP_STRINGS - 1)] + [full[4:6]]
         [choice] = call(server, "POST", "/v1/completions", {**body, "stop": stop})[2]["choices"]
         assert (choice["text"], choice["finish_reason"]) == (full[: full.index(full[4:6])], "stop")
 

@@ -26,8 +26,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]: enough to ban or force 
 # Stop lists cost memory and setup per request, and stop ids a scan per token: bounded, far
 # above what anyone needs (OpenAI allows 4 stop strings). Matching stop strings costs no
 # more per token for more of them (`nanoqwen/text/stop_strings.py`).
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 512
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 
@@ -198,7 +198,8 @@ def _stop_token_ids(ids: object) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                         f"got {len(ids)}")
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {token_id!r}")

@@ -22,10 +22,11 @@ the text that is a prefix of some stop string. Hence:
 * while there is no match, the state's depth is exactly the tail to hold back from a
   stream: the longest that could still grow into a stop string.
 
-Cost: building takes the stop strings' total length (`compile_stop_strings` caches it, so
-the `n` samples of one request share one automaton); reading, amortised, a step per
-character, since every fallback is paid for by a character read earlier, and at most the
-longest stop string's length for one character.
+Cost: building takes time and memory in the stop strings' total length (a node per
+character: about 2 MB for 32 stop strings of 256 characters, the most `SamplingParams`
+allows); `compile_stop_strings` caches it, so the `n` samples of one request share one
+automaton. Reading takes, amortised, a step per character, since every fallback is paid
+for by a character read earlier, and at most the longest stop string's length for one.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class StopStringAutomaton:
         return self.children[node].get(char, ROOT)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)  # for the requests being added now: their samples share one
 def compile_stop_strings(stop_strings: tuple[str, ...]) -> StopStringAutomaton:
     """The automaton of these (non-empty) stop strings."""
     children: list[dict[str, int]] = [{}]
