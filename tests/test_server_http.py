@@ -187,9 +187,11 @@ def test_urls_are_logged_escaped(server: OpenAIServer, caplog: pytest.LogCapture
 
 def test_the_query_string_is_not_logged(server: OpenAIServer,
                                        caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="nanoqwen.server"):
-        assert call(server, "GET", "/v1/models?api_key=sk-secret")[0] == 200
-    [line] = [record.getMessage() for record in caplog.records if "/v1/models" in record.getMessage()]
+    request = b"GET /v1/models?api_key=sk-secret HTTP/1.0\r\n\r\n"
+    with caplog.at_level(logging.INFO, logger="nanoqwen.server"):  # logged before closing
+        assert raw_exchange(server, request)[0] == 200
+    [line] = [message for record in caplog.records
+              if "/v1/models" in (message := record.getMessage())]
     assert "sk-secret" not in line and "GET /v1/models 200" in line
 
 
