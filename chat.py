@@ -73,7 +73,7 @@ from nanoqwen.cli import (
 )
 from nanoqwen.config import resolve_device
 from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
-from nanoqwen.text.detokenizer import partial_match_length
+from nanoqwen.text.stop_strings import partial_match_length
 from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 

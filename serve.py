@@ -23,7 +23,12 @@ from nanoqwen.cli import (
     pop_engine_options,
     quiet_library_noise,
 )
-from nanoqwen.server import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUE, make_server
+from nanoqwen.server import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_QUEUE,
+    WRITE_TIMEOUT_SECONDS,
+    make_server,
+)
 
 logger = logging.getLogger("nanoqwen.serve")
 
@@ -45,6 +50,11 @@ logger = logging.getLogger("nanoqwen.serve")
     help="Seconds after which an unfinished request is aborted (504). Default: no limit.",
 )
 @click.option(
+    "--write-timeout", type=click.FloatRange(min=0, min_open=True),
+    default=WRITE_TIMEOUT_SECONDS, metavar="SECONDS",
+    help="A client that reads nothing of its answer for this long has its request aborted.",
+)
+@click.option(
     "--max-connections", default=DEFAULT_MAX_CONNECTIONS, type=click.IntRange(min=1),
     help="Connections served at once; more get 503.",
 )
@@ -60,8 +70,8 @@ logger = logging.getLogger("nanoqwen.serve")
 @engine_options
 def main(
     model: str, host: str, port: int, api_key: str | None, max_queue: int,
-    request_timeout: float | None, max_connections: int, allowed_origins: tuple[str, ...],
-    served_model_name: str | None, **options: Any,
+    request_timeout: float | None, write_timeout: float, max_connections: int,
+    allowed_origins: tuple[str, ...], served_model_name: str | None, **options: Any,
 ) -> None:
     """Serve a Qwen2/Qwen3 checkpoint over an OpenAI-compatible HTTP API."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -72,7 +82,7 @@ def main(
     try:
         server = make_server(
             model, host, port, served_model_name=served_model_name, api_key=api_key,
-            max_queue=max_queue, request_timeout=request_timeout,
+            max_queue=max_queue, request_timeout=request_timeout, write_timeout=write_timeout,
             max_connections=max_connections, allowed_origins=allowed_origins,
             **pop_engine_options(options),
         )

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.sampling.params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from nanoqwen.sampling.sampler import Sampler, make_generator
 
 VOCAB = 50
@@ -317,6 +322,12 @@ def test_mixed_batch_rows_follow_their_own_params() -> None:
     ("stop_token_ids", [1, -2]), ("stop_token_ids", ["a"]), ("stop_token_ids", 7),
     ("ignore_eos", 1),
     ("seed", 1.5), ("seed", True), ("seed", 2**64),
+    # Integers beyond a float's range (once an OverflowError, not a ValueError).
+    *[(name, 10**400) for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty")],
+    ("logit_bias", {1: 10**400}),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)), ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
 ])
 def test_invalid_params_raise_with_the_parameter_name(name: str, value: object) -> None:
     with pytest.raises(ValueError, match=name):
@@ -330,6 +341,12 @@ def test_invalid_params_raise_with_the_parameter_name(name: str, value: object) 
 ])
 def test_boundary_params_are_accepted(name: str, value: object) -> None:
     assert getattr(SamplingParams(**{name: value}), name) == value
+
+
+def test_stop_limits_are_inclusive() -> None:
+    params = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                            stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    assert len(params.stop) == MAX_STOP_STRINGS
 
 
 def test_stop_is_normalised_to_a_list() -> None:

@@ -381,7 +381,7 @@ def test_cli_help_documents_every_option() -> None:
         "--model", "--host", "--port", "--api-key", "--max-queue", "--request-timeout",
         "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
         "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
-        "--max-connections", "--allowed-origins", "--served-model-name",
+        "--max-connections", "--allowed-origins", "--served-model-name", "--write-timeout",
     ):
         assert option in result.output
     assert "127.0.0.1" in result.output

@@ -1,5 +1,6 @@
 """The server under bad luck and bad clients: failing steps, bad prompts in a batch, many
-file descriptors, slow or silent clients, shutdown, and slow tokenization.
+file descriptors, slow or silent clients, shutdown, slow tokenization, and requests that
+ask for unbounded work (huge numbers, stop lists, prompts).
 
 Each test starts a real server on loopback. Where a request must still be running when
 something happens, the engine is slowed down; where a test waits for something that must
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from server_helpers import (
+    ABORTS,
     GREEDY,
     LONG_RUNNING,
     MESSAGES,
@@ -41,6 +43,11 @@ from server_helpers import (
 )
 
 from nanoqwen import SamplingParams, StepError
+from nanoqwen.sampling.params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from nanoqwen.server import OpenAIServer
 from nanoqwen.server.engine_loop import RequestFailed
 
@@ -71,9 +78,15 @@ def test_top_k_beyond_the_vocabulary_means_no_top_k(qwen3_dir: str) -> None:
         assert health(server) == 200
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
 ABSURD_VALUES = [
     ("temperature", 1e308), ("temperature", 2.5), ("repetition_penalty", 1e30),
     ("repetition_penalty", 1e-30), ("stop_token_ids", [10**30]),
+    # An integer no float can hold (an OverflowError, and a 500, once).
+    *[(field, 10**400) for field in FLOAT_FIELDS], ("logit_bias", {"5": 10**400}),
+    ("stop", [f"s{i}" for i in range(300_000)]), ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
 ]
 
 
@@ -82,8 +95,9 @@ def test_absurd_sampling_values_are_refused_by_name(qwen3_dir: str) -> None:
         for field, value in ABSURD_VALUES:
             body = {"prompt": "hi", field: value}
             status, _, error = call(server, "POST", "/v1/completions", body)
-            assert (status, error["error"]["param"]) == (400, field), (field, value)
+            assert (status, error["error"]["param"]) == (400, field), (field, str(value)[:40])
             assert_error_shape(error)
+        assert good_request_succeeds(server)
 
 
 def test_a_real_step_failure_fails_only_its_request(qwen3_dir: str) -> None:
@@ -92,7 +106,8 @@ def test_a_real_step_failure_fails_only_its_request(qwen3_dir: str) -> None:
         # its top-k tensor, so the step that samples this request fails.
         poisoned = SamplingParams(top_k=2**63, max_tokens=4)
         prompt_ids = server.engine.encode_prompt("hello world")
-        submission = server.engine_loop.submit([(prompt_ids, poisoned)], "poisoned")
+        with server.engine_loop.reserve(1) as reservation:
+            submission = reservation.submit([(prompt_ids, poisoned)], "poisoned")
         with pytest.raises(RequestFailed):
             for _ in range(100):
                 submission.next_output(timeout=0.1)
@@ -319,3 +334,92 @@ def test_tokenizing_happens_on_handler_threads(qwen3_dir: str) -> None:
             assert blocked.result()[0] == 200
         assert tokenizing_threads and "nanoqwen-engine" not in tokenizing_threads
 
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(qwen3_dir: str) -> None:
+    """4 MB of text cannot fit a context of 1,024 tokens: its size says so, without the
+    seconds of tokenizing it would take."""
+    huge = "word " * 800_000
+    with running_server(qwen3_dir) as server:
+        tokenizer = server.engine.tokenizer
+        encode, template = tokenizer.encode, tokenizer.apply_chat_template
+        tokenized = []
+        tokenizer.encode = lambda text: tokenized.append(len(text)) or encode(text)
+        tokenizer.apply_chat_template = lambda *args: tokenized.append(args) or template(*args)
+        for path, body, param in [
+            ("/v1/completions", {"prompt": huge}, "prompt"),
+            ("/v1/completions", {"prompt": ["hi", huge]}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]},
+             "messages"),
+            ("/v1/embeddings", {"input": huge}, "input"),
+            ("/tokenize", {"prompt": huge}, "prompt"),
+        ]:
+            status, _, error = call(server, "POST", path, body)
+            assert (status, error["error"]["param"]) == (400, param), (path, error)
+            assert "too long" in error["error"]["message"]
+        assert tokenized == []
+        assert good_request_succeeds(server)
+
+
+def test_tokenizing_holds_a_queue_slot(qwen3_dir: str) -> None:
+    """A request being tokenized counts against the queue like one waiting for the engine,
+    so a flood of long prompts meets a 429 instead of slowing every handler thread."""
+    with running_server(qwen3_dir, max_num_seqs=1, max_queue=0) as server:
+        encode = server.engine.tokenizer.encode
+        entered, release = threading.Event(), threading.Event()
+
+        def slow_encode(text: str) -> list[int]:
+            if "BLOCK" in text:
+                entered.set()
+                release.wait(timeout=30)
+            return encode(text)
+
+        server.engine.tokenizer.encode = slow_encode
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            blocked = pool.submit(
+                call, server, "POST", "/v1/completions", {"prompt": "BLOCK me", **GREEDY}
+            )
+            try:
+                assert entered.wait(timeout=10)
+                for path, body in [("/v1/completions", {"prompt": "hello", **GREEDY}),
+                                   ("/tokenize", {"prompt": "hello"})]:
+                    status, _, error = call(server, "POST", path, body)
+                    assert (status, error["error"]["code"]) == (429, "queue_full")
+            finally:
+                release.set()
+            assert blocked.result()[0] == 200
+        assert good_request_succeeds(server)
+        assert call(server, "POST", "/tokenize", {"prompt": "hello"})[0] == 200
+
+
+def test_a_long_stop_list_still_stops_at_the_first_match(qwen3_dir: str) -> None:
+    with running_server(qwen3_dir) as server:
+        body = {"prompt": "the lazy dog", **GREEDY}
+        full = call(server, "POST", "/v1/completions", body)[2]["choices"][0]["text"]
+        stop = [f"never {i}" for i in range(MAX_STOP_STRINGS - 1)] + [full[4:6]]
+        [choice] = call(server, "POST", "/v1/completions", {**body, "stop": stop})[2]["choices"]
+        assert (choice["text"], choice["finish_reason"]) == (full[: full.index(full[4:6])], "stop")
+
+
+def test_a_client_that_stops_reading_has_its_request_aborted(
+    qwen3_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream of 8 choices to a client that reads nothing: once the send buffer is full,
+    the server waits `write_timeout`, then aborts all 8, freeing their KV pages."""
+    body = {"prompt": "hi", "n": 8, "stream": True, "logprobs": 20, **LONG_RUNNING}
+    with caplog.at_level(logging.INFO, logger="nanoqwen.server"), \
+            running_server(qwen3_dir, write_timeout=0.5) as server:
+        with socket.socket() as silent:
+            silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            silent.connect(server.server_address[:2])
+            silent.sendall(raw_request("/v1/completions", body))
+            # A small buffer on the server's side too, as on a busy machine: how much the
+            # kernel would buffer otherwise depends on its settings, not on the server.
+            wait_until(lambda: len(server._connections) == 1)
+            for connection in list(server._connections):
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+            wait_until(lambda: scrape(server)[ABORTS] == 8, timeout=60)
+            assert no_pages_held(server)
+            assert good_request_succeeds(server)
+    assert any("499" in record.getMessage() and "client stopped reading" in record.getMessage()
+               for record in caplog.records)

@@ -70,11 +70,16 @@ def raw_exchange(server: OpenAIServer, request: bytes) -> tuple[int, bytes]:
 @pytest.mark.parametrize("request_bytes, status", [
     (b"GET /" + b"a" * 70000 + b" HTTP/1.0\r\n\r\n", 414),
     (b"GET /health HTTP/1.0\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n", 431),
-    (b"GET /health HTTP/1.0\r\n" + b"X-Header: 1\r\n" * 101 + b"\r\n", 431),
+    (b"GET /health HTTP/1.0\r\n" + b"X-Header: 1\r\n" * 65 + b"\r\n", 431),
+    # Each line short, all of them together too much.
+    (b"GET /health HTTP/1.0\r\n" + (b"X-Header: " + b"a" * 1000 + b"\r\n") * 40 + b"\r\n", 431),
     (b"GET /health HTTP/7.0\r\n\r\n", 505),
     (b"BREW /health HTTP/1.0\r\n\r\n", 405),
     (b"garbage\r\n\r\n", 400),
-], ids=["long url", "long header", "many headers", "bad version", "odd method", "garbage"])
+    (b"GET /health HTTP/1.0\r\nContent-Length: 0\r\nContent-Length: 5\r\n\r\n", 400),
+    (b"GET /health HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 501),
+], ids=["long url", "long header", "many headers", "large headers", "bad version",
+        "odd method", "garbage", "conflicting lengths", "chunked"])
 def test_protocol_errors_are_json(server: OpenAIServer, request_bytes: bytes, status: int) -> None:
     got, body = raw_exchange(server, request_bytes)
     assert got == status
@@ -82,10 +87,29 @@ def test_protocol_errors_are_json(server: OpenAIServer, request_bytes: bytes, st
 
 
 def test_head_and_options(server: OpenAIServer) -> None:
-    status, headers, body = call(server, "HEAD", "/health")
-    assert (status, headers["Content-Type"], body) == (405, "application/json", "")
+    _, got, _ = call(server, "GET", "/health")
+    status, headers, body = call(server, "HEAD", "/health")  # GET's answer without the body
+    assert (status, headers["Content-Type"], body) == (200, "application/json", "")
+    assert headers["Content-Length"] == got["Content-Length"] != "0"
+    status, headers, body = call(server, "HEAD", "/v1/chat/completions")
+    assert (status, headers["Allow"], body) == (405, "POST", "")
     status, headers, _ = call(server, "OPTIONS", "/v1/chat/completions")
     assert status == 204 and headers["Allow"] == "POST"
+    status, headers, _ = call(server, "OPTIONS", "/health")
+    assert status == 204 and headers["Allow"] == "GET, HEAD"
+
+
+def test_a_body_is_framed_by_one_length(server: OpenAIServer) -> None:
+    """Two different lengths are how a request is smuggled past a proxy that reads the
+    other one (RFC 9112, section 6.3): refused. Repeats of one length are accepted."""
+    request = raw_request("/v1/completions", {"prompt": "hi", **GREEDY})
+    head, _, payload = request.partition(b"\r\n\r\n")
+    length = f"Content-Length: {len(payload)}".encode()
+    status, answer = raw_exchange(server, head + b"\r\nContent-Length: 2\r\n\r\n" + payload)
+    error = json.loads(answer)["error"]
+    assert status == 400 and "conflicting Content-Length" in error["message"]
+    status, answer = raw_exchange(server, head + b"\r\n" + length + b"\r\n\r\n" + payload)
+    assert status == 200 and json.loads(answer)["choices"]
 
 
 def test_deep_nesting_is_a_bad_request(server: OpenAIServer) -> None:
@@ -159,6 +183,16 @@ def test_urls_are_logged_escaped(server: OpenAIServer, caplog: pytest.LogCapture
     [line] = [record.getMessage() for record in caplog.records if "red" in record.getMessage()]
     assert "\x1b" not in line and "\x07" not in line
     assert "GET /\\x1b[31mred\\x07 404" in line
+
+
+def test_the_query_string_is_not_logged(server: OpenAIServer,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    request = b"GET /v1/models?api_key=sk-secret HTTP/1.0\r\n\r\n"
+    with caplog.at_level(logging.INFO, logger="nanoqwen.server"):  # logged before closing
+        assert raw_exchange(server, request)[0] == 200
+    [line] = [message for record in caplog.records
+              if "/v1/models" in (message := record.getMessage())]
+    assert "sk-secret" not in line and "GET /v1/models 200" in line
 
 
 def test_the_server_header_names_no_python(server: OpenAIServer) -> None:

@@ -218,9 +218,11 @@ def test_context_and_stream_limits(server: OpenAIServer, client: openai.OpenAI) 
                 {"prompt": [5] * 10, "max_tokens": context - 10, "stop_token_ids": [5],
                  "temperature": 0, "logit_bias": {"5": 100}})[0] == 200
     assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices
-    status, _, body = call(server, "POST", "/v1/completions",
-                           {"prompt": "hi", "stream_options": {"include_usage": True}})
-    assert status == 400 and body["error"]["param"] == "stream_options"
+    for path, body in BASE.items():
+        if path != "/v1/embeddings":  # stream_options asks for nothing without a stream
+            status, _, error = call(server, "POST", path, {**body, "stream": False,
+                                                           "stream_options": {}})
+            assert status == 400 and error["error"]["param"] == "stream_options"
 
 
 def test_seeds_must_fit_int64(server: OpenAIServer) -> None:
@@ -242,6 +244,7 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "store", True),
     ("/v1/completions", "suffix", "!"),
     ("/v1/completions", "best_of", 3),
+    ("/v1/chat/completions", "best_of", 3),
     ("/v1/embeddings", "dimensions", 16),
 ]
 
@@ -257,6 +260,15 @@ def test_unsupported_openai_fields_are_refused(server: OpenAIServer, path: str, 
     assert status == 400, error
     assert_error_shape(error)
     assert error["error"]["param"] == name and name in error["error"]["message"]
+
+
+@pytest.mark.parametrize("role", ["developer", "function", "xyz", "", None, ["user"]])
+def test_unknown_roles_are_refused(server: OpenAIServer, role: object) -> None:
+    """A template would render any role into the prompt as it is (`<|im_start|>xyz`)."""
+    messages = [{"role": role, "content": "hi"}]
+    status, _, error = call(server, "POST", "/v1/chat/completions", {"messages": messages})
+    assert (status, error["error"]["param"]) == (400, "messages[0].role")
+    assert "system, user, assistant, tool" in error["error"]["message"]
 
 
 def test_harmless_and_unknown_fields(server: OpenAIServer, client: openai.OpenAI,

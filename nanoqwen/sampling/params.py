@@ -23,6 +23,12 @@ from nanoqwen.sampling.grammar import StructuredOutput
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs and vLLM allow
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]: enough to ban or force a token
+# Stop lists cost memory and setup per request, and stop ids a scan per token: bounded, far
+# above what anyone needs (OpenAI allows 4 stop strings). Matching stop strings costs no
+# more per token for more of them (`nanoqwen/text/stop_strings.py`).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 # Below this temperature the sampled distribution is the argmax up to float precision, while
@@ -149,9 +155,13 @@ def _real(name: str, value: object) -> float:
     # bool is an int subclass, but True as a temperature is a bug, not a number.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float's range, such as 10**400
+        raise ValueError(f"{name} must be finite, got an integer too large for a float") from None
+    if not math.isfinite(number):
         raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def _integer(name: str, value: object) -> int:
@@ -171,8 +181,14 @@ def _stop_strings(stop: object) -> list[str]:
     strings = [stop] if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
     if any(s == "" for s in strings):
         raise ValueError("stop must not contain empty strings (they would match immediately)")
+    longest = max(strings, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, "
+                         f"got one of {len(longest)}")
     return list(strings)
 
 
@@ -181,6 +197,9 @@ def _stop_token_ids(ids: object) -> list[int]:
         return []
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                         f"got {len(ids)}")
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) or token_id < 0:
             raise ValueError(f"stop_token_ids must hold ints >= 0, got {token_id!r}")

@@ -21,11 +21,13 @@ the bound `OpenAIServer`; `serve.py` is its command line.
 from nanoqwen.server.app import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
+    WRITE_TIMEOUT_SECONDS,
     OpenAIServer,
     ServerSettings,
     make_server,
 )
 
 __all__ = [
-    "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_QUEUE", "OpenAIServer", "ServerSettings", "make_server",
+    "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_QUEUE", "WRITE_TIMEOUT_SECONDS", "OpenAIServer",
+    "ServerSettings", "make_server",
 ]

@@ -9,8 +9,9 @@
   final answer), gives the handlers `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts
   the sockets of those still at it (a client that reads nothing, or sends a byte a second)
   so that their threads end too: stopping takes seconds whatever the clients do.
-* **Reads.** Each connection must deliver its request within `read_timeout` (see
-  `plumbing`), so an idle connection holds its slot only that long.
+* **Reads and writes.** Each connection must deliver its request within `read_timeout`,
+  and take its answer at a pace that never stalls for `write_timeout` (see `plumbing`), so
+  an idle connection holds its slot, and its request its KV pages, only that long.
 
 `make_server` takes the port before it loads the model: loading can take minutes and most
 of the machine's memory, and a port that is in use should say so at once, not after.
@@ -41,6 +42,7 @@ from nanoqwen.server.settings import (
     DEFAULT_MAX_QUEUE,
     MAX_BODY_BYTES,
     READ_TIMEOUT_SECONDS,
+    WRITE_TIMEOUT_SECONDS,
     ServerSettings,
 )
 
@@ -162,6 +164,7 @@ def make_server(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     read_timeout: float = READ_TIMEOUT_SECONDS,
+    write_timeout: float = WRITE_TIMEOUT_SECONDS,
     allowed_origins: tuple[str, ...] | list[str] = (),
     **engine_options: Any,
 ) -> OpenAIServer:
@@ -175,7 +178,7 @@ def make_server(
         model_name=served_model_name or served_model_id(model), api_key=api_key,
         max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
         max_connections=max_connections, read_timeout=read_timeout,
-        allowed_origins=tuple(allowed_origins),
+        write_timeout=write_timeout, allowed_origins=tuple(allowed_origins),
     )
     server = OpenAIServer((host, port), settings)
     # Under torchrun every rank runs this, and ranks above 0 serve steps for rank 0 inside

@@ -14,10 +14,13 @@ Other threads never call the engine: they queue *commands* (a function of the en
 a `Future`), which the engine thread runs between steps, blocking on the queue when idle.
 Commands must be quick; tokenizing and templating happen on the handler thread first. Each
 submission (one HTTP request: several prompts, or `n` samples) owns one output queue. At
-most `capacity` engine requests are admitted at once, beyond that `submit` raises
-`QueueFull`. A step that fails raises `StepError`: the loop aborts its requests, hands
-their handlers a `RequestFailed` and keeps serving; any other failure stops the loop for
-good (`NotServing`; `state` says "failed").
+most `capacity` engine requests are admitted at once, beyond that `reserve` raises
+`QueueFull`. A request takes its slots before it is tokenized (a `Reservation`), since
+tokenizing a long prompt is work too: a flood of them meets the same limit as requests
+waiting for the engine, instead of slowing everyone's handler threads. A step that fails
+raises `StepError`: the loop aborts its requests, hands their handlers a `RequestFailed`
+and keeps serving; any other failure stops the loop for good (`NotServing`; `state` says
+"failed").
 
 Invariant: every admitted engine request is either in the engine with a route to its
 queue, or finished, with its final output (or failure) delivered and its admission slot
@@ -102,6 +105,43 @@ class Submission:
         return item
 
 
+class Reservation:
+    """Admission slots held for one request while it is prepared: `submit` hands them to
+    its engine requests (each releases its own when it finishes); leaving the `with` block
+    without submitting gives them back."""
+
+    def __init__(self, loop: EngineLoop, count: int) -> None:
+        self.loop, self.count = loop, count
+        self.held = True
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.held:
+            self.held = False
+            self.loop._release(self.count)
+
+    def submit(
+        self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
+        id_prefix: str,
+        priority: int = 0,
+    ) -> Submission:
+        """Add one engine request per (encoded prompt, params), as many as were reserved,
+        all at `priority`, all or none.
+
+        Raises whatever `add_request` raised (a `ValueError` for input the engine refuses)
+        with nothing left behind in the engine.
+        """
+        if not self.held or len(sequences) != self.count:  # a bug in the caller
+            raise RuntimeError("a reservation is submitted once, with the sequences it holds")
+        outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
+        loop = self.loop
+        ids = loop.call(lambda engine: loop._add(sequences, id_prefix, priority, outputs))
+        self.held = False  # the engine requests hold the slots now
+        return Submission(ids, outputs)
+
+
 Command = tuple[Callable[[LLMEngine], Any], Future]
 
 
@@ -144,28 +184,14 @@ class EngineLoop:
         ids = list(request_ids)
         self._enqueue(lambda engine: self._abort_now(ids))
 
-    def submit(
-        self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
-        id_prefix: str,
-        priority: int = 0,
-    ) -> Submission:
-        """Add one engine request per (encoded prompt, params), all at `priority`, all or none.
-
-        Raises `QueueFull` past capacity, and whatever `add_request` raised (a `ValueError`
-        for input the engine refuses) with nothing left behind in the engine.
-        """
-        count = len(sequences)
+    def reserve(self, count: int) -> Reservation:
+        """Hold `count` admission slots for one request still being prepared; `QueueFull`
+        past capacity. Use it as a `with` block around the preparing and the submitting."""
         with self._lock:
             if self._num_admitted + count > self.capacity:
                 raise QueueFull(f"{count} more sequences would exceed {self.capacity}")
             self._num_admitted += count
-        outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
-        try:
-            ids = self.call(lambda engine: self._add(sequences, id_prefix, priority, outputs))
-        except BaseException:
-            self._release(count)
-            raise
-        return Submission(ids, outputs)
+        return Reservation(self, count)
 
     def _enqueue(self, function: Callable[[LLMEngine], Any]) -> Future:
         future: Future = Future()

@@ -49,16 +49,19 @@ LABELS = {
 }
 Honoured = Callable[[Any, dict[str, Any]], bool]  # (value, body) -> does it change nothing?
 _NEVER: Honoured = lambda value, body: False  # noqa: E731
+# best_of = n asks for nothing beyond the n samples.
+_BEST_OF_N: Honoured = lambda value, body: value == body.get("n", 1)  # noqa: E731
 UNSUPPORTED: dict[str, dict[str, Honoured]] = {
     "chat": {
         "audio": _NEVER, "prediction": _NEVER, "reasoning_effort": _NEVER, "verbosity": _NEVER,
         "web_search_options": _NEVER, "functions": _NEVER, "function_call": _NEVER,
         "modalities": lambda value, body: value == ["text"],
         "store": lambda value, body: value is False,
+        "best_of": _BEST_OF_N,
     },
     "completions": {
         "suffix": _NEVER,
-        "best_of": lambda value, body: value == body.get("n", 1),
+        "best_of": _BEST_OF_N,
     },
     "embeddings": {"dimensions": _NEVER},
 }

@@ -4,13 +4,17 @@ Each connection carries one request (HTTP/1.0 framing: a response, streamed or n
 when the connection closes). `HTTPHandler`, the base of the OpenAI routes:
 
 1. reads the request line, headers and body against one deadline (`read_timeout`, 408
-   past it), so a client sending a byte a second can't hold a thread for long;
+   past it), so a client sending a byte a second can't hold a thread for long; the headers
+   are bounded in bytes and lines (431), and a body's length must be declared once (a
+   second, different `Content-Length` is how requests are smuggled past a proxy);
 2. checks who is calling (see below) and hands the request to `_dispatch`;
 3. writes the answer: one JSON document, or a Server-Sent Events stream
    (`data: {chunk}\\n\\n` per event); every error is OpenAI-shaped JSON, the standard
-   library's own (400, 414, 431) included;
+   library's own (400, 414, 431) included. A client that takes nothing from a full send
+   buffer for `write_timeout` seconds counts as gone (see below);
 4. counts and logs the request once, by its real outcome: a stream that fails after its
-   `200` status line is counted with the error's status.
+   `200` status line is counted with the error's status. The log has the path without its
+   query string, which may hold a key (`?api_key=...`).
 
 **Disconnects.** A client that closes its connection leaves a request nobody will read,
 holding KV pages. TCP shows a closed client and one that merely shut its sending side (as
@@ -18,8 +22,10 @@ holding KV pages. TCP shows a closed client and one that merely shut its sending
 apart, as a closed socket answers a write with a reset. So after end-of-file the handler
 writes something harmless every poll: an SSE comment in a stream; in a JSON answer, the
 status line early and then whitespace (which JSON allows before a value). A reset, or a
-failed write, means the client is gone. Sockets are polled with `poll()`, which, unlike
-`select()`, has no limit on descriptor numbers.
+failed write, means the client is gone. So does a client that stops reading: once its
+send buffer is full, a write that makes no progress for `write_timeout` seconds fails,
+and the request is aborted, its KV pages freed, instead of generating for nobody. Sockets
+are polled with `poll()`, which, unlike `select()`, has no limit on descriptor numbers.
 
 **Who may call.** A web page in the user's browser can send requests to a server on
 localhost. So a POST must be `Content-Type: application/json` (a page can't send that
@@ -55,10 +61,14 @@ from nanoqwen.server.settings import ServerSettings
 
 logger = logging.getLogger("nanoqwen.server")
 
-MAX_LINE_BYTES = 65536  # request line and each header line; longer ones get 414 / 431
+MAX_LINE_BYTES = 65536  # the request line; a longer one gets 414
+# All header lines together (431 past either): browsers send about 1 KB in 10-20 lines,
+# and nginx's default allows 32 KB.
+MAX_HEADER_BYTES = 32 << 10
+MAX_HEADER_LINES = 64
 MAX_DISCARD_BYTES = 64 << 20  # past this, a rejected body is not worth reading to the end
 DISCARD_SECONDS = 2.0
-WRITE_TIMEOUT_SECONDS = 60.0  # a client that reads nothing for this long is dropped
+END_OF_HEADERS = (b"\r\n", b"\n", b"")  # the blank line, or a client that stopped sending
 GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
@@ -84,6 +94,25 @@ class DeadlineReader(io.RawIOBase):
         count = self.connection.recv_into(buffer)
         self.received += count
         return count
+
+
+class ProgressWriter(io.RawIOBase):
+    """Socket writes that fail (`TimeoutError`) once the client takes nothing for `timeout`
+    seconds: each send waits that long at most for room in the send buffer, and whatever
+    the client reads starts the wait again, so a slow reader is served, a stalled one not."""
+
+    def __init__(self, connection: socket.socket, timeout: float) -> None:
+        self.connection, self.timeout = connection, timeout
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.connection.settimeout(self.timeout)
+        view, sent = memoryview(data).cast("B"), 0
+        while sent < len(view):
+            sent += self.connection.send(view[sent:])
+        return sent
 
 
 @dataclass
@@ -123,11 +152,13 @@ class AccessRecord:
 
 @contextmanager
 def client_writes() -> Iterator[None]:
-    """A failed write means the client went away."""
+    """A failed write means the client went away (or stopped reading: as good as gone)."""
     try:
         yield
+    except TimeoutError as error:
+        raise ClientDisconnected("client stopped reading") from error
     except OSError as error:
-        raise ClientDisconnected from error
+        raise ClientDisconnected("client disconnected") from error
 
 
 def is_loopback_host(host: str) -> bool:
@@ -165,6 +196,7 @@ class HTTPHandler(BaseHTTPRequestHandler):
             self.connection, time.monotonic() + self.server.settings.read_timeout
         )
         self.rfile = io.BufferedReader(self.reader)
+        self.wfile = ProgressWriter(self.connection, self.server.settings.write_timeout)
         self.record = AccessRecord(self.client_address[0])
         self.command = ""  # until a request line is parsed
         self.reply_headers: dict[str, str] = {}  # sent with every answer (CORS)
@@ -191,8 +223,8 @@ class HTTPHandler(BaseHTTPRequestHandler):
                 self._send_error(APIError(
                     408, "the request was not received in time", code="request_timeout"
                 ))
-        except ClientDisconnected:
-            self.record.outcome = "client disconnected"
+        except ClientDisconnected as error:
+            self.record.outcome = str(error) or "client disconnected"
         except Exception as error:
             self._send_error(self._as_api_error(error))
         finally:
@@ -224,12 +256,33 @@ class HTTPHandler(BaseHTTPRequestHandler):
         if len(self.raw_requestline) > MAX_LINE_BYTES:
             self.send_error(414)
             return False
-        if not self.parse_request():  # it answered through send_error
-            return False
-        self.record.method, self.record.path = self.command, self.path
+        body = self.rfile
+        self.rfile = io.BytesIO(self._read_header_lines())  # where parse_request reads them
+        try:
+            if not self.parse_request():  # it answered through send_error
+                return False
+        finally:
+            self.rfile = body
+        # The query string may hold a secret (?api_key=): not even the log sees it.
+        self.record.method, self.record.path = self.command, self.path.partition("?")[0]
         self._check_caller()
         self.unread_body = self._declared_body_length()
         return True
+
+    def _read_header_lines(self) -> bytes:
+        """The header lines, up to and with the blank line that ends them; a 431 for more
+        than `MAX_HEADER_BYTES` or `MAX_HEADER_LINES`."""
+        lines: list[bytes] = []
+        size = 0
+        while True:
+            line = self.rfile.readline(MAX_HEADER_BYTES + 1 - size)
+            lines.append(line)
+            if line in END_OF_HEADERS:
+                return b"".join(lines)
+            size += len(line)
+            if size > MAX_HEADER_BYTES or len(lines) > MAX_HEADER_LINES:
+                raise APIError(431, f"the request headers exceed {MAX_HEADER_LINES} lines or "
+                               f"{MAX_HEADER_BYTES} bytes", code="headers_too_large")
 
     def _check_caller(self) -> None:
         host = self.headers.get("Host")
@@ -246,7 +299,14 @@ class HTTPHandler(BaseHTTPRequestHandler):
         self.reply_headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
 
     def _declared_body_length(self) -> int:
-        value = self.headers.get("Content-Length", "0").strip()
+        if "Transfer-Encoding" in self.headers:  # a proxy may frame the body by it, not by length
+            raise APIError(501, "Transfer-Encoding is not supported; send a Content-Length",
+                           code="transfer_encoding_not_supported")
+        values = {value.strip() for value in self.headers.get_all("Content-Length", ["0"])}
+        if len(values) > 1:  # repeats of one value are harmless (RFC 9110, section 8.6)
+            raise bad_request(f"the request has conflicting Content-Length headers: "
+                              f"{', '.join(sorted(values))}")
+        (value,) = values
         if not (value.isascii() and value.isdigit()):
             raise bad_request(f"Content-Length must be a non-negative integer, got {value!r}")
         return int(value)
@@ -317,7 +377,6 @@ class HTTPHandler(BaseHTTPRequestHandler):
             self.server.metrics.count_request(status)
 
     def _send_head(self, status: int, content_type: str, headers: dict[str, str]) -> None:
-        self.connection.settimeout(WRITE_TIMEOUT_SECONDS)
         self.request_version = self.protocol_version  # even an HTTP/0.9 request gets headers
         with client_writes():
             self.send_response(status)

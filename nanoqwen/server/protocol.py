@@ -25,9 +25,15 @@ import jinja2
 
 from nanoqwen.engine import EncodedPrompt, LLMEngine, Prompt
 from nanoqwen.sampling.params import SamplingParams
+from nanoqwen.text.stop_strings import compile_stop_strings
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
+# A token is a few bytes of text: about 4 in English prose or code, 3 to 6 in Chinese. No
+# text that fits the context comes near this many per token, so a longer prompt is refused
+# from its length alone, before the tokenizer spends seconds on it.
+MAX_PROMPT_BYTES_PER_TOKEN = 16
+ROLES = ("system", "user", "assistant", "tool")  # what the chat templates know
 
 # Request fields passed to SamplingParams, which checks types and ranges and names the culprit.
 SAMPLING_FIELDS = (
@@ -159,6 +165,8 @@ def parse_generation_options(
                    for i in range(n)]
     except ValueError as error:
         raise bad_request(str(error), named_parameter(str(error))) from error
+    # Compiled here, on the handler thread: the engine thread finds it in the cache.
+    compile_stop_strings(tuple(params.stop))
     asked = None if max_tokens is None else (max_tokens_field, params.max_tokens)
     return GenerationOptions(samples, stream, include_usage, priority, asked)
 
@@ -300,9 +308,22 @@ def parse_prompts(body: dict[str, Any], name: str = "prompt") -> list[Prompt]:
     )
 
 
+def check_text_size(size: int, max_model_len: int, param: str) -> None:
+    """A 400 for text of `size` bytes that cannot fit the context, without tokenizing it."""
+    limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+    if size > limit:
+        raise bad_request(
+            f"{param} is too long: {size} bytes of text cannot fit this model's context of "
+            f"{max_model_len} tokens (the limit is {limit} bytes)", param,
+        )
+
+
 def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list[EncodedPrompt]:
     """Every prompt's token ids, checked to fit the engine: all of them, or a 400. The
     engine thread takes them as they are, without tokenizing or checking them again."""
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text_size(len(prompt.encode()), engine.max_model_len, param)
     try:
         return [engine.encode_prompt(prompt) for prompt in prompts]
     except ValueError as error:
@@ -312,6 +333,10 @@ def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list
 def render_chat(
     engine: LLMEngine, messages: list[dict[str, Any]], options: TemplateOptions
 ) -> list[int]:
+    """The conversation's token ids, through the model's template; one too long to fit
+    the context (told from its size as JSON) is refused before the template sees it."""
+    conversation = json.dumps([messages, options.tools], ensure_ascii=False).encode()
+    check_text_size(len(conversation), engine.max_model_len, "messages")
     try:
         return engine.tokenizer.apply_chat_template(
             messages, options.enable_thinking, options.tools, options.add_generation_prompt,
@@ -327,8 +352,9 @@ def _parse_message(message: object, param: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
     role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise bad_request(f"{param}.role must be a non-empty string", f"{param}.role")
+    if role not in ROLES:  # a template would write any other one into the prompt as it is
+        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                          f"{param}.role")
     return {"role": role, "content": _message_text(message.get("content"), f"{param}.content")}
 
 

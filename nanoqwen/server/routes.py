@@ -2,9 +2,10 @@
 
 A completion request goes through three hands. On its handler thread, `protocol` checks
 every field and turns the prompt (or the chat, through the model's template) into token
-ids; the engine loop admits the sequences and streams their outputs back; and the handler
-shapes them (`responses`) into one JSON document or an SSE stream, checking between
-outputs that the client is still there and the request within its deadline.
+ids, holding the request's queue slots while it does (tokenizing is work too); the engine
+loop admits the sequences and streams their outputs back; and the handler shapes them
+(`responses`) into one JSON document or an SSE stream, checking between outputs that the
+client is still there and the request within its deadline.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.sampling.pooling import PoolingParams
 from nanoqwen.server import protocol, tokens
-from nanoqwen.server.engine_loop import NotServing, QueueFull, RequestFailed, Submission
+from nanoqwen.server.engine_loop import (
+    NotServing,
+    QueueFull,
+    RequestFailed,
+    Reservation,
+    Submission,
+)
 from nanoqwen.server.fields import check_fields
 from nanoqwen.server.logprobs import parse_chat_logprobs, parse_completion_logprobs
 from nanoqwen.server.plumbing import HTTPHandler
@@ -76,19 +83,20 @@ class OpenAIHandler(HTTPHandler):
 
     # ------------------------------------------------------------ routes
     def _dispatch(self) -> None:
-        path = self.path.split("?", 1)[0]
+        path = self.record.path
         methods = self.ROUTES.get(path)
         if methods is None and path.startswith(MODEL_PATH):
             methods = {"GET": OpenAIHandler.get_model}
         if methods is None:
             raise APIError(404, f"no route {path}", "not_found_error", code="not_found")
-        allowed = ", ".join(methods)
+        # HEAD is GET without the body (which `_send_bytes` leaves out).
+        allowed = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
         if self.command == "OPTIONS":  # a browser asking whether it may (CORS preflight)
             cors = {"Access-Control-Allow-Methods": allowed,
                     "Access-Control-Allow-Headers": "Authorization, Content-Type"}
             self._send_bytes(204, b"", "text/plain", {"Allow": allowed, **cors})
             return
-        route = methods.get(self.command)
+        route = methods.get("GET" if self.command == "HEAD" else self.command)
         if route is None:
             raise APIError(405, f"{self.command} is not allowed on {path}; use {allowed}",
                            code="method_not_allowed", headers={"Allow": allowed})
@@ -117,7 +125,7 @@ class OpenAIHandler(HTTPHandler):
         self._send_json(200, {"object": "list", "data": [card]})
 
     def get_model(self) -> None:
-        model_id = unquote(self.path.split("?", 1)[0].removeprefix(MODEL_PATH))
+        model_id = unquote(self.record.path.removeprefix(MODEL_PATH))
         if model_id != self.server.settings.model_name:
             protocol.check_model({"model": model_id}, self.server.settings.model_name)
         self._send_json(200, tokens.model_card(model_id, self.server.created, self.server.engine))
@@ -137,10 +145,12 @@ class OpenAIHandler(HTTPHandler):
             body, engine.max_model_len, engine, logprobs=logprobs,
             structured_output=self._structured_output(body, tools),
         )
-        prompt = protocol.render_chat(engine, messages, template)
-        prompts = protocol.encode_prompts(engine, [prompt], "messages")
-        protocol.check_context(prompts, options, engine.max_model_len)
-        self._generate(ChatAPI(engine.tokenizer, logprobs is not None, tools), prompts, options)
+        with self._reserve(len(options.params)) as reservation:
+            prompt = protocol.render_chat(engine, messages, template)
+            prompts = protocol.encode_prompts(engine, [prompt], "messages")
+            protocol.check_context(prompts, options, engine.max_model_len)
+            api = ChatAPI(engine.tokenizer, logprobs is not None, tools)
+            self._generate(api, reservation, prompts, options)
 
     def completions(self) -> None:
         engine, body = self.server.engine, self._read_json()
@@ -154,19 +164,23 @@ class OpenAIHandler(HTTPHandler):
             structured_output=self._structured_output(body, None),
         )
         # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
-        encoded = protocol.encode_prompts(engine, prompts, "prompt")
-        protocol.check_context(encoded, options, engine.max_model_len)
-        self._generate(CompletionsAPI(engine.tokenizer, logprobs is not None, echo), encoded,
-                       options)
+        with self._reserve(len(prompts) * len(options.params)) as reservation:
+            encoded = protocol.encode_prompts(engine, prompts, "prompt")
+            protocol.check_context(encoded, options, engine.max_model_len)
+            api = CompletionsAPI(engine.tokenizer, logprobs is not None, echo)
+            self._generate(api, reservation, encoded, options)
 
     def embeddings(self) -> None:
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         check_fields(body, "embeddings")
         encoding = tokens.parse_encoding_format(body)
-        prompts = protocol.encode_prompts(engine, protocol.parse_prompts(body, "input"), "input")
-        with self._submitted([(prompt, PoolingParams()) for prompt in prompts], "embd") as sub:
-            finals = self._collect(sub)
+        prompts = protocol.parse_prompts(body, "input")
+        with self._reserve(len(prompts)) as reservation:
+            encoded = protocol.encode_prompts(engine, prompts, "input")
+            sequences = [(prompt, PoolingParams()) for prompt in encoded]
+            with self._submitted(reservation, sequences, "embd") as submission:
+                finals = self._collect(submission)
         model_id = self.server.settings.model_name
         self._send_json(200, tokens.embeddings_response(finals, encoding, model_id))
 
@@ -177,9 +191,12 @@ class OpenAIHandler(HTTPHandler):
             messages = protocol.parse_messages(body, tool_fields)
             tools = parse_tools(body)
             template = protocol.parse_template_options(body, messages, tools and tools.tools)
-            token_ids = protocol.render_chat(engine, messages, template)
+            with self._reserve(1):
+                token_ids = protocol.render_chat(engine, messages, template)
         elif isinstance(body.get("prompt"), str):
-            token_ids = engine.tokenizer.encode(body["prompt"])
+            protocol.check_text_size(len(body["prompt"].encode()), engine.max_model_len, "prompt")
+            with self._reserve(1):
+                token_ids = engine.tokenizer.encode(body["prompt"])
         else:
             raise bad_request("tokenize needs a prompt string or chat messages", "prompt")
         self._send_json(200, tokens.tokenize_response(engine, token_ids, body))
@@ -221,11 +238,12 @@ class OpenAIHandler(HTTPHandler):
     }
 
     # ------------------------------------------------------------ generation
-    def _generate(self, api: API, prompts: list[EncodedPrompt], options: GenerationOptions) -> None:
+    def _generate(self, api: API, reservation: Reservation, prompts: list[EncodedPrompt],
+                  options: GenerationOptions) -> None:
         self.record.samples_per_prompt = len(options.params)
         # Choices are ordered prompt by prompt, then sample by sample, as OpenAI orders them.
         sequences = [(prompt, params) for prompt in prompts for params in options.params]
-        with self._submitted(sequences, api.id_prefix, options.priority) as submission:
+        with self._submitted(reservation, sequences, api.id_prefix, options.priority) as submission:
             reply = Reply(api, self.record.request_id, self.server.settings.model_name,
                           int(time.time()), options.include_usage)
             if options.stream:
@@ -235,27 +253,32 @@ class OpenAIHandler(HTTPHandler):
                 self._send_json(200, reply.response(finals, self.record.usage()))
             self.server.metrics.request_duration.observe(time.perf_counter() - self.record.start)
 
+    def _reserve(self, count: int) -> Reservation:
+        """Queue slots for a request of `count` sequences, held from before its tokenizing
+        (a 429 when the queue is full)."""
+        loop = self.server.engine_loop
+        if count > loop.capacity:
+            raise bad_request(f"{count} sequences asked for; this server holds {loop.capacity}")
+        return loop.reserve(count)
+
     @contextmanager
     def _submitted(
-        self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
+        self, reservation: Reservation,
+        sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str, priority: int = 0,
     ) -> Iterator[Submission]:
         """Hand the sequences to the engine; whatever is unfinished on leaving (the client
         left, timed out, or something failed) is aborted."""
         self.record.request_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
-        loop = self.server.engine_loop
-        if len(sequences) > loop.capacity:
-            raise bad_request(f"{len(sequences)} sequences asked for; "
-                              f"this server holds {loop.capacity}")
         try:
-            submission = loop.submit(sequences, self.record.request_id, priority)
+            submission = reservation.submit(sequences, self.record.request_id, priority)
         except ValueError as error:  # the engine refused the input
             raise bad_request(str(error), protocol.named_parameter(str(error))) from error
         try:
             yield submission
         finally:
             if submission.unfinished:
-                loop.abort(submission.unfinished)
+                self.server.engine_loop.abort(submission.unfinished)
 
     def _collect(self, submission: Submission) -> list[RequestOutput]:
         for _ in self._follow(submission):

@@ -9,6 +9,9 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_CONNECTIONS = 1024
 MAX_BODY_BYTES = 4 << 20  # a full context of token ids, as JSON, fits easily
 READ_TIMEOUT_SECONDS = 10.0
+# A client that takes nothing from a full send buffer this long is gone: its request is
+# aborted. TCP moves data within a second on any working link, even a slow one.
+WRITE_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     read_timeout: float = READ_TIMEOUT_SECONDS  # to receive a request's headers and body
+    write_timeout: float = WRITE_TIMEOUT_SECONDS  # for a client to make room for more answer
     allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own; "*": any
 
     def __post_init__(self) -> None:
@@ -27,7 +31,7 @@ class ServerSettings:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("request_timeout", "read_timeout"):
+        for name in ("request_timeout", "read_timeout", "write_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -32,7 +32,7 @@ from typing import Any
 
 from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.server.protocol import bad_request
-from nanoqwen.text.detokenizer import partial_match_length
+from nanoqwen.text.stop_strings import partial_match_length
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 TOOL_CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)

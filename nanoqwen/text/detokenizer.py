@@ -16,7 +16,9 @@ Two things can make the text of the tokens generated so far *not yet final*:
 2. Part of a stop string. With `stop=["\\n\\nUser:"]`, a delta ending in "\\n\\nUs" cannot be sent:
    the next token may complete the stop string, and the stop string must not reach the client.
    We hold back the longest tail of the text that is the beginning of some stop string, and
-   release it once the following text rules the stop string out (or at `flush()`).
+   release it once the following text rules the stop string out (or at `flush()`). A
+   `StopStringMatcher` (`stop_strings.py`) reads each new character once and knows both
+   the first completed stop string and that tail, however many stop strings there are.
 
 Invariant: the deltas returned by `add_token` and `flush` concatenate to `text`, which equals
 `tokenizer.decode(output_ids)` cut at the first stop string, where "first" means the one
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanoqwen.text.stop_strings import StopStringMatcher
 from nanoqwen.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -44,7 +47,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         # An empty stop string would match before the first character; it means "no stop".
-        self._stop_strings = [stop_string for stop_string in stop if stop_string]
+        self._stops = StopStringMatcher([stop_string for stop_string in stop if stop_string])
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         if tokenizer.decode(context).endswith(REPLACEMENT_CHAR):
@@ -100,38 +103,17 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str) -> str:
         """Stop-string stage: cut at a completed stop string, or hold back a possible start."""
-        # `_held_back` never contains a whole stop string, so any match ends in `new_text`;
-        # and no match can start in text already released, since that would have been held.
+        # The matcher has read `_held_back` already: it reads each character once. A match
+        # ends in `new_text`, and starts no earlier than `_held_back` (or it would be held).
         pending = self._held_back + new_text
-        match = self._first_stop_string(pending)
+        match = self._stops.feed(new_text)
         if match is not None:
-            start, self.stop_reason = match
+            end, self.stop_reason = match
             self.stopped = True
+            start = len(self._held_back) + end - len(self.stop_reason)
             delta, self._held_back = pending[:start], ""
         else:
-            keep = partial_match_length(pending, self._stop_strings)
+            keep = self._stops.partial_length
             delta, self._held_back = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self._text_parts.append(delta)
         return delta
-
-    def _first_stop_string(self, text: str) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first; on a tie, the longer one."""
-        best: tuple[int, int, str] | None = None
-        for stop_string in self._stop_strings:
-            start = text.find(stop_string)
-            if start >= 0:
-                candidate = (start + len(stop_string), start, stop_string)
-                best = candidate if best is None else min(best, candidate)
-        return None if best is None else (best[1], best[2])
-
-
-def partial_match_length(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that some marker starts with (and is shorter
-    than it): the part of a stream to hold back until the next piece shows whether the
-    marker really follows."""
-    longest_possible = max((len(marker) - 1 for marker in markers), default=0)
-    for length in range(min(longest_possible, len(text)), 0, -1):
-        tail = text[-length:]
-        if any(marker.startswith(tail) for marker in markers):
-            return length
-    return 0
