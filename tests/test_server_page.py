@@ -79,7 +79,9 @@ def browser() -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def open_page(browser: Any, server: OpenAIServer, width: int = 1280, **options: Any) -> Iterator[Any]:
+def open_page(
+    browser: Any, server: OpenAIServer, width: int = 1280, **options: Any
+) -> Iterator[Any]:
     """The chat page in a fresh browser profile (empty localStorage), its model loaded; no
     script on it may raise."""
     context = browser.new_context(viewport={"width": width, "height": 720}, **options)
@@ -149,7 +151,8 @@ def preload(page: Any, conversation_messages: list[dict[str, str]]) -> None:
 
 
 def sidebar_titles(page: Any) -> list[str]:
-    return page.eval_on_selector_all("#conversations .open", "nodes => nodes.map(n => n.textContent)")
+    titles = "nodes => nodes.map(node => node.textContent)"
+    return page.eval_on_selector_all("#conversations .open", titles)
 
 
 def greedy_reply(server: OpenAIServer, chat: list[dict[str, str]]) -> Any:
@@ -236,7 +239,9 @@ def test_the_page_streams_a_reply(browser: Any, server: OpenAIServer) -> None:
     assert failed_responses == []
 
 
-def test_stop_keeps_the_partial_reply_marked_stopped(browser: Any, slow_server: OpenAIServer) -> None:
+def test_stop_keeps_the_partial_reply_marked_stopped(
+    browser: Any, slow_server: OpenAIServer
+) -> None:
     with open_page(browser, slow_server) as page:
         settings(page, max_tokens=LONG_REPLY)
         send(page, "tell me a long story")
@@ -441,7 +446,10 @@ def test_an_over_long_conversation_drops_its_oldest_turns(
 
 
 # ---------------------------------------------------------------------------- layout
-LONG_WORD_REPLY = "x" * 400 + " https://example.org/" + "a/" * 150 + "\n\n```\n" + "y" * 300 + "\n```"
+LONG_WORD_REPLY = (
+    "x" * 400 + " https://example.org/" + "a/" * 150
+    + "\n\n```\n" + "y" * 300 + "\n```"
+)
 
 
 def test_narrow_screens_show_everything(browser: Any, server: OpenAIServer) -> None:
@@ -460,18 +468,34 @@ def test_narrow_screens_show_everything(browser: Any, server: OpenAIServer) -> N
             settings(page)  # open, with every field showing
             assert page.get_attribute("#max-tokens", "placeholder") == "up to 1048576"
             assert page.evaluate("document.documentElement.scrollWidth") <= width
+            # The conversation scrolls up and down only: long words wrap in their bubble.
+            assert page.evaluate("(log => log.scrollWidth <= log.clientWidth)"
+                                 "(document.getElementById('log'))")
             for selector in ("#key", "#max-tokens", "#temperature", "#system", "#input",
                              "#send", ".user", ".assistant", ".assistant .stopped"):
-                box = page.locator(selector).bounding_box()
+                box = bounding_box(page, selector)
                 assert box["x"] >= 0 and box["x"] + box["width"] <= width, (width, selector)
             assert page.evaluate(PLACEHOLDER_FITS)
-            message_box, send_button = (page.locator(s).bounding_box() for s in ("#input", "#send"))
-            assert send_button["y"] >= message_box["y"]  # side by side, not wrapped below
-            assert send_button["y"] + send_button["height"] <= message_box["y"] + message_box["height"] + 1
-            if width < 760:  # the conversations are a drawer, opened on demand
-                assert not page.is_visible("#new-chat") or page.locator("#new-chat").bounding_box()["x"] < 0
+            # The message box and Send side by side: the button within the box's height.
+            message_box, send_button = bounding_box(page, "#input"), bounding_box(page, "#send")
+            assert message_box["y"] <= send_button["y"]
+            assert bottom(send_button) <= bottom(message_box) + 1
+            if width < 760:  # the conversations are a drawer, off to the left until opened
+                drawer = bounding_box(page, "#sidebar")
+                assert drawer["x"] + drawer["width"] <= 0
                 page.click("#toggle-sidebar")
-                assert page.locator("#new-chat").bounding_box()["x"] >= 0
+                assert bounding_box(page, "#sidebar")["x"] == 0
+                log = bounding_box(page, "#log")  # a click beside the drawer closes it
+                page.click("#log", position={"x": log["width"] - 5, "y": 5})
+                assert bounding_box(page, "#sidebar")["x"] < 0
+
+
+def bounding_box(page: Any, selector: str) -> dict[str, float]:
+    return page.locator(selector).bounding_box()
+
+
+def bottom(box: dict[str, float]) -> float:
+    return box["y"] + box["height"]
 
 
 # The placeholder's width in the field's own font, against the room the field has for text.

@@ -416,6 +416,7 @@ async function responseError(response) {
   }
   const page = new DOMParser().parseFromString(body, "text/html");
   page.querySelectorAll("script, style").forEach((node) => node.remove());
+  page.querySelectorAll("body *").forEach((node) => node.append(" ")); // "<h1>502</h1>nginx": two words
   const text = page.body.textContent.replace(/\s+/g, " ").trim().slice(0, 300);
   const status = `${response.status} ${response.statusText}`.trim();
   return new ChatError(`The server answered ${status}${text ? ": " + text : ""}`, response.status);
@@ -558,6 +559,10 @@ $("conversations").addEventListener("click", (event) => {
   if (event.target.closest(".open")) document.body.classList.remove("sidebar-open");
 });
 $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+document.querySelector("main").addEventListener("click", (event) => {
+  // On a narrow screen the conversations cover the page: a click beside them closes them.
+  if (!event.target.closest("#toggle-sidebar")) document.body.classList.remove("sidebar-open");
+});
 $("system").addEventListener("input", () => {
   currentConversation().system = $("system").value;
   save();
