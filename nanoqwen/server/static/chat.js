@@ -29,6 +29,10 @@ function element(tag, properties = {}, ...children) {
   return node;
 }
 
+function note(className, text) {
+  return element("span", { className, textContent: text });
+}
+
 function button(label, onClick, className = "") {
   return element("button", { type: "button", textContent: label, className, onclick: onClick });
 }
@@ -142,13 +146,13 @@ function deleteConversation(conversation) {
   if (!confirm(`Delete the conversation "${titleOf(conversation)}"?`)) return;
   if (conversation.id === store.currentId) stopReply();
   store.conversations = store.conversations.filter((c) => c !== conversation);
-  if (conversation.id === store.currentId) store.currentId = mostRecent()?.id ?? null;
+  if (conversation.id === store.currentId) store.currentId = byRecency()[0]?.id ?? null;
   save();
   render();
 }
 
-function mostRecent() {
-  return [...store.conversations].sort((a, b) => b.updated - a.updated)[0];
+function byRecency() {
+  return [...store.conversations].sort((a, b) => b.updated - a.updated);
 }
 
 // ---------------------------------------------------------------- rendering
@@ -163,8 +167,7 @@ function render() {
 }
 
 function renderSidebar(current) {
-  const byRecency = [...store.conversations].sort((a, b) => b.updated - a.updated);
-  const items = byRecency.map((conversation) => {
+  const items = byRecency().map((conversation) => {
     const open = button(titleOf(conversation), () => switchTo(conversation.id), "open");
     const remove = button("×", () => deleteConversation(conversation), "delete");
     remove.title = "Delete conversation";
@@ -187,8 +190,8 @@ function messageView(conversation, message, index) {
   const view = bubble(message.role);
   if (message.role === "assistant") showMarkdown(view.content, message.content);
   else view.content.textContent = message.content;
-  if (message.stopped) view.meta.append(element("span", { className: "stopped", textContent: "stopped" }));
-  if (message.stats) view.meta.append(element("span", { className: "stats", textContent: describe(message.stats) }));
+  if (message.stopped) view.meta.append(note("stopped", "stopped"));
+  if (message.stats) view.meta.append(note("stats", describe(message.stats)));
   const actions = element("span", { className: "actions" });
   if (message.role === "user") {
     actions.append(button("Edit", () => startEditing(conversation, index, view)));
@@ -240,7 +243,9 @@ async function copyText(text, copyButton) {
 function describe(stats) {
   const parts = [];
   if (stats.completionTokens !== undefined) parts.push(`${stats.completionTokens} tokens`);
-  if (stats.tokensPerSecond !== undefined) parts.push(`${stats.tokensPerSecond.toFixed(1)} tokens/s`);
+  if (stats.tokensPerSecond !== undefined) {
+    parts.push(`${stats.tokensPerSecond.toFixed(1)} tokens/s`);
+  }
   if (stats.ttft !== undefined) parts.push(`first token after ${stats.ttft.toFixed(2)} s`);
   if (stats.cachedTokens !== undefined) {
     parts.push(`${stats.cachedTokens}/${stats.promptTokens} prompt tokens from cache`);
@@ -250,19 +255,22 @@ function describe(stats) {
 
 function startEditing(conversation, index, view) {
   if (controller) return;
-  const editor = element("textarea", { className: "editor", value: conversation.messages[index].content });
+  const original = conversation.messages[index].content;
+  const editor = element("textarea", { className: "editor", value: original });
   const saveButton = button("Save and regenerate", () => {
     const text = editor.value.trim();
     if (!text) return;
     // What came after the edited message no longer follows from it: it goes. What came
     // before is sent unchanged, so the server's prefix cache still holds it.
-    conversation.messages = [...conversation.messages.slice(0, index), { role: "user", content: text }];
+    const before = conversation.messages.slice(0, index);
+    conversation.messages = [...before, { role: "user", content: text }];
     touch(conversation);
     render();
     generate(conversation);
   });
   view.content.replaceChildren(editor);
-  view.meta.replaceChildren(element("span", { className: "actions" }, saveButton, button("Cancel", render)));
+  const actions = element("span", { className: "actions" }, saveButton, button("Cancel", render));
+  view.meta.replaceChildren(actions);
   editor.focus();
 }
 
@@ -311,7 +319,9 @@ async function generate(conversation) {
   const view = bubble("assistant");
   $("log").append(view.root);
   view.root.scrollIntoView();
-  const turn = { text: "", sentAt: performance.now(), firstTokenAt: null, lastTokenAt: null, usage: null };
+  const turn = {
+    text: "", sentAt: performance.now(), firstTokenAt: null, lastTokenAt: null, usage: null,
+  };
   const ticking = showThinking(view, turn);
   controller = new AbortController();
   setBusy(true);
@@ -328,7 +338,9 @@ async function generate(conversation) {
     const finished = await readEvents(response, (chunk) => onChunk(view, turn, chunk));
     // Only [DONE] says the reply is complete: a stream that just ends was cut off (the
     // server stopped, or something between dropped the connection).
-    if (!finished) throw new ChatError("The connection closed before the reply finished (did the server stop?).");
+    if (!finished) {
+      throw new ChatError("The connection closed before the reply finished: did the server stop?");
+    }
   } catch (error) {
     failure = error;
   }
@@ -348,7 +360,7 @@ function showThinking(view, turn) {
   const update = () => {
     if (turn.firstTokenAt !== null) return;
     const seconds = Math.floor((Date.now() - started) / 1000);
-    view.content.replaceChildren(element("span", { className: "thinking", textContent: `thinking… ${seconds} s` }));
+    view.content.replaceChildren(note("thinking", `thinking… ${seconds} s`));
   };
   update();
   return setInterval(update, 1000);
@@ -416,7 +428,8 @@ async function responseError(response) {
   }
   const page = new DOMParser().parseFromString(body, "text/html");
   page.querySelectorAll("script, style").forEach((node) => node.remove());
-  page.querySelectorAll("body *").forEach((node) => node.append(" ")); // "<h1>502</h1>nginx": two words
+  // "<h1>502</h1>nginx" is two words, not "502nginx".
+  page.querySelectorAll("body *").forEach((node) => node.append(" "));
   const text = page.body.textContent.replace(/\s+/g, " ").trim().slice(0, 300);
   const status = `${response.status} ${response.statusText}`.trim();
   return new ChatError(`The server answered ${status}${text ? ": " + text : ""}`, response.status);
@@ -455,8 +468,10 @@ function replyStats(turn) {
 // the history is left as it was (see the invariant at the top).
 function showFailure(conversation, view, turn, error) {
   view.root.classList.add("failed");
-  if (!turn.text) view.content.replaceChildren();
-  const actions = element("span", { className: "actions" }, button("Retry", () => regenerate(conversation)));
+  if (turn.text) showMarkdown(view.content, turn.text); // as far as it got, for reading
+  else view.content.replaceChildren();
+  const retry = button("Retry", () => regenerate(conversation));
+  const actions = element("span", { className: "actions" }, retry);
   if (error.overflow) {
     actions.prepend(button("Drop the oldest turns and retry", (event) => {
       event.target.disabled = true; // counting the tokens takes a moment: one click is enough
@@ -531,7 +546,9 @@ async function loadModel() {
   }
   clearNotice();
   $("model").textContent = model.id;
-  if ($("temperature").value === "") $("temperature").value = model.sampling_defaults.temperature ?? 1;
+  if ($("temperature").value === "") {
+    $("temperature").value = model.sampling_defaults.temperature ?? 1;
+  }
   $("max-tokens").placeholder = `up to ${model.max_model_len}`;
 }
 
@@ -572,6 +589,14 @@ $("max-tokens").addEventListener("change", saveSettings);
 $("key").addEventListener("change", () => {
   sessionStorage.setItem(API_KEY_KEY, $("key").value);
   loadModel();
+});
+
+// Another tab of this page changed the conversations: show its version (unless a reply
+// is streaming here, whose conversation would be lost; the next save then wins).
+window.addEventListener("storage", (event) => {
+  if (event.key !== STORE_KEY || controller) return;
+  store = loadStore();
+  render();
 });
 
 restoreSettings();
