@@ -371,6 +371,19 @@ def test_a_reply_cut_off_is_an_error_and_retry_recovers(
         assert [m["role"] for m in messages(page)] == ["user", "assistant"]
 
 
+def test_a_server_stopping_mid_reply_says_so(browser: Any, qwen3_dir: str) -> None:
+    with running_server(qwen3_dir) as server:
+        slow_down(server)
+        with open_page(browser, server) as page:
+            settings(page, max_tokens=LONG_REPLY)
+            send(page, "tell me a long story")
+            wait_for_first_token(page)
+            server.engine_loop.stop()  # what stopping the server does first
+            page.wait_for_selector(".failed .error")
+            assert page.text_content(".failed .error") == "the server is shutting down"
+            assert [m["role"] for m in messages(page)] == ["user"]
+
+
 def test_a_proxy_error_page_is_shown_readably(browser: Any, server: OpenAIServer) -> None:
     proxy_page = ("<html><head><style>body { color: red }</style></head><body>"
                   "<h1>502 Bad Gateway</h1><hr><center>nginx</center></body></html>")
