@@ -293,6 +293,22 @@ def test_conversations_are_kept_across_reloads_and_switched(
         assert sidebar_titles(page) == ["first topic"]
 
 
+def test_another_tab_sees_new_conversations(browser: Any, server: OpenAIServer) -> None:
+    with open_page(browser, server) as first:
+        second = first.context.new_page()
+        second.goto(first.url)
+        wait_for_model(second)
+        settings(first, max_tokens=3)
+        send(first, "from the first tab")
+        wait_until_idle(first)
+        second.wait_for_selector("#conversations .open:has-text('from the first tab')")
+        second.click("#new-chat")  # the second tab stays where it is as the first goes on
+        send(first, "more")
+        wait_until_idle(first)
+        assert len(first.query_selector_all(".user")) == 2
+        assert second.query_selector(".turn") is None
+
+
 def test_edit_and_regenerate_reuse_the_prefix(browser: Any, server: OpenAIServer) -> None:
     with open_page(browser, server) as page:
         settings(page, temperature=0, max_tokens=MAX_TOKENS)

@@ -87,8 +87,8 @@ function touch(conversation) {
   save();
 }
 
-// Temperature and max tokens are kept for every conversation; a field left empty is
-// left out of the request, so the server uses its default.
+// Temperature and max tokens hold for all conversations and are kept across reloads; a
+// field left empty is left out of the request, so the server uses its default.
 function restoreSettings() {
   const settings = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "{}");
   $("temperature").value = settings.temperature ?? "";
@@ -591,11 +591,14 @@ $("key").addEventListener("change", () => {
   loadModel();
 });
 
-// Another tab of this page changed the conversations: show its version (unless a reply
-// is streaming here, whose conversation would be lost; the next save then wins).
+// Another tab of this page changed the conversations: take its version, staying on this
+// tab's conversation if it still exists. (Not while a reply streams here: its conversation
+// would be lost. The next save here then wins.)
 window.addEventListener("storage", (event) => {
   if (event.key !== STORE_KEY || controller) return;
+  const shown = store.currentId;
   store = loadStore();
+  if (store.conversations.some((c) => c.id === shown)) store.currentId = shown;
   render();
 });
 
