@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-CONTENT_TYPES = {  # by file suffix; the package holds no other kind of file here
+CONTENT_TYPES = {  # by file suffix; files of other kinds (an editor's backups) are not served
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
@@ -70,10 +70,12 @@ def load_files(folder: Traversable, prefix: str) -> dict[str, StaticFile]:
         if entry.is_dir():
             files.update(load_files(entry, url + "/"))
             continue
+        content_type = CONTENT_TYPES.get("." + entry.name.rpartition(".")[2])
+        if content_type is None:
+            continue
         body = entry.read_bytes()
-        suffix = "." + entry.name.rpartition(".")[2]
         etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-        files[url] = StaticFile(body, CONTENT_TYPES[suffix], etag)
+        files[url] = StaticFile(body, content_type, etag)
     return files
 
 
