@@ -237,6 +237,18 @@ def test_the_page_streams_a_reply(browser: Any, server: OpenAIServer) -> None:
     assert failed_responses == []
 
 
+def test_waiting_for_the_first_token_shows_the_time(browser: Any, server: OpenAIServer) -> None:
+    with open_page(browser, server) as page:
+        held: list[Any] = []  # the request, answered once the test has seen the wait
+        page.route("**/v1/chat/completions", lambda route: held.append(route))
+        send(page, "hello")
+        page.wait_for_selector(".assistant .thinking:has-text('thinking… 1 s')")
+        held[0].fulfill(status=200, content_type="text/event-stream", body=sse_body("Hi there"))
+        wait_until_idle(page)
+        assert page.query_selector(".thinking") is None
+        assert page.text_content(".assistant .content p") == "Hi there"
+
+
 def test_stop_keeps_the_partial_reply_marked_stopped(
     browser: Any, slow_server: OpenAIServer
 ) -> None:
