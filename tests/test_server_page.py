@@ -348,6 +348,7 @@ def test_edit_and_regenerate_reuse_the_prefix(browser: Any, server: OpenAIServer
 
 # ---------------------------------------------------------------------------- rendering
 MARKDOWN_REPLY = (
+    "<think>\nFirst, **plan** it.\n</think>\n\n"  # Qwen3's reasoning, before the answer
     "Some **bold** text and [a link](https://example.org).\n\n"
     "```python\nprint('hi')\n```\n\n"
     "<script>window.injected = 1</script><img src=x onerror=\"window.injected = 2\">"
@@ -361,7 +362,11 @@ def test_markdown_is_rendered_and_sanitized(browser: Any, server: OpenAIServer) 
         send(page, "show me markdown")
         wait_until_idle(page)
         reply = ".assistant .content"
-        assert page.text_content(f"{reply} strong") == "bold"
+        assert page.text_content(f"{reply} > p strong") == "bold"
+        # The reasoning is folded away, rendered too.
+        assert page.text_content(f"{reply} details.reasoning strong") == "plan"
+        assert page.get_attribute(f"{reply} details.reasoning", "open") is None
+        assert not page.is_visible(f"{reply} details.reasoning p")
         assert page.get_attribute(f"{reply} a", "rel") == "noopener noreferrer"
         assert page.text_content(f"{reply} pre") == "print('hi')\n"
         # The script neither ran nor stayed in the page; the handler was stripped.

@@ -188,7 +188,7 @@ function bubble(role) {
 
 function messageView(conversation, message, index) {
   const view = bubble(message.role);
-  if (message.role === "assistant") showMarkdown(view.content, message.content);
+  if (message.role === "assistant") showReply(view.content, message.content);
   else view.content.textContent = message.content;
   if (message.stopped) view.meta.append(note("stopped", "stopped"));
   if (message.stats) view.meta.append(note("stats", describe(message.stats)));
@@ -204,10 +204,35 @@ function messageView(conversation, message, index) {
   return view.root;
 }
 
-// The model's markdown as HTML, sanitized: marked writes whatever HTML the text holds
-// (a <script>, an onerror= attribute), and DOMPurify removes everything that could run.
-function showMarkdown(container, text) {
-  container.innerHTML = DOMPurify.sanitize(marked.parse(text));
+// A reply as HTML: its reasoning, if any, folded away, then the answer.
+function showReply(container, text) {
+  const { thinking, answer } = splitThinking(text);
+  // A re-render mid-stream keeps the reasoning open if the user opened it.
+  const wasOpen = container.querySelector("details.reasoning")?.open ?? false;
+  container.replaceChildren();
+  if (thinking !== null) {
+    const summary = element("summary", { textContent: "Reasoning" });
+    const reasoning = element("details", { className: "reasoning", open: wasOpen }, summary);
+    reasoning.append(markdown(thinking));
+    container.append(reasoning);
+  }
+  container.append(markdown(answer));
+  addCopyButtons(container);
+}
+
+// Qwen3 reasons first, inside <think>…</think> (still open while it streams).
+function splitThinking(text) {
+  const match = /^\s*<think>([\s\S]*?)(?:<\/think>|$)([\s\S]*)$/.exec(text);
+  return match ? { thinking: match[1].trim(), answer: match[2] } : { thinking: null, answer: text };
+}
+
+// Markdown as sanitized HTML: marked writes whatever HTML the text holds (a <script>, an
+// onerror= attribute), and DOMPurify removes everything that could run.
+function markdown(text) {
+  return DOMPurify.sanitize(marked.parse(text), { RETURN_DOM_FRAGMENT: true });
+}
+
+function addCopyButtons(container) {
   for (const pre of container.querySelectorAll("pre")) {
     const copy = button("Copy", () => copyText(pre.textContent, copy), "copy");
     const frame = element("div", { className: "code" });
@@ -375,18 +400,18 @@ function onChunk(view, turn, chunk) {
     turn.lastTokenAt = performance.now();
     turn.text += text;
   }
-  if (turn.text) scheduleMarkdown(view, turn);
+  if (turn.text) scheduleReply(view, turn);
 }
 
-// Markdown is re-rendered at most once a frame: chunks can come faster than that.
-function scheduleMarkdown(view, turn) {
+// A reply is re-rendered at most once a frame: chunks can come faster than that.
+function scheduleReply(view, turn) {
   if (turn.renderPending) return;
   turn.renderPending = true;
   requestAnimationFrame(() => {
     turn.renderPending = false;
     const log = $("log");
     const following = log.scrollHeight - log.scrollTop - log.clientHeight < 40;
-    showMarkdown(view.content, turn.text);
+    showReply(view.content, turn.text);
     if (following) log.scrollTop = log.scrollHeight; // else the user scrolled up to read
   });
 }
@@ -468,7 +493,7 @@ function replyStats(turn) {
 // the history is left as it was (see the invariant at the top).
 function showFailure(conversation, view, turn, error) {
   view.root.classList.add("failed");
-  if (turn.text) showMarkdown(view.content, turn.text); // as far as it got, for reading
+  if (turn.text) showReply(view.content, turn.text); // as far as it got, for reading
   else view.content.replaceChildren();
   const retry = button("Retry", () => regenerate(conversation));
   const actions = element("span", { className: "actions" }, retry);
