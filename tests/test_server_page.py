@@ -233,6 +233,10 @@ def test_the_page_streams_a_reply(browser: Any, server: OpenAIServer) -> None:
         shown = page.text_content(".assistant .stats")
         assert f"{usage.completion_tokens} tokens" in shown and "tokens/s" in shown
         assert "prompt tokens from cache" in shown
+        # A reply that max_tokens ended says so; one that ended by itself doesn't.
+        truncated = expected.choices[0].finish_reason == "length"
+        assert reply.get("truncated", False) is truncated
+        assert page.is_visible(".assistant >> text=max tokens reached") is truncated
         assert page.query_selector(".failed") is None
     assert failed_responses == []
 

@@ -8,7 +8,8 @@
 
    State: `store` = {conversations: [{id, system, messages, updated}], currentId}, written
    to localStorage after every change. A message is {role, content}; a reply may add
-   `stopped` (the user stopped it) and `stats` (its speed and cache figures).
+   `stopped` (the user stopped it), `truncated` (max tokens ended it) and `stats` (its
+   speed and cache figures).
    Invariant: the history holds only what the server answered. A failed turn stores
    nothing, so the conversation then ends with the user's message, which Retry answers. */
 "use strict";
@@ -191,6 +192,7 @@ function messageView(conversation, message, index) {
   if (message.role === "assistant") showReply(view.content, message.content);
   else view.content.textContent = message.content;
   if (message.stopped) view.meta.append(note("stopped", "stopped"));
+  if (message.truncated) view.meta.append(note("stopped", "max tokens reached"));
   if (message.stats) view.meta.append(note("stats", describe(message.stats)));
   const actions = element("span", { className: "actions" });
   if (message.role === "user") {
@@ -345,7 +347,8 @@ async function generate(conversation) {
   $("log").append(view.root);
   view.root.scrollIntoView();
   const turn = {
-    text: "", sentAt: performance.now(), firstTokenAt: null, lastTokenAt: null, usage: null,
+    text: "", sentAt: performance.now(), firstTokenAt: null, lastTokenAt: null,
+    finishReason: null, usage: null, renderPending: false,
   };
   const ticking = showThinking(view, turn);
   controller = new AbortController();
@@ -400,6 +403,7 @@ function onChunk(view, turn, chunk) {
     turn.lastTokenAt = performance.now();
     turn.text += text;
   }
+  turn.finishReason = chunk.choices[0]?.finish_reason ?? turn.finishReason;
   if (turn.text) scheduleReply(view, turn);
 }
 
@@ -465,6 +469,7 @@ function keepReply(conversation, turn, stopped) {
   if (turn.text) {
     const reply = { role: "assistant", content: turn.text, stats: replyStats(turn) };
     if (stopped) reply.stopped = true;
+    if (turn.finishReason === "length") reply.truncated = true; // it would have gone on
     conversation.messages.push(reply);
   }
   touch(conversation);
