@@ -66,6 +66,11 @@ Prompt = str | list[int]
 EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+class PromptTooLong(ValueError):
+    """A prompt that cannot fit: the context, or the whole KV cache (a server answers it with
+    OpenAI's `context_length_exceeded` code, which clients read to trim a conversation)."""
+
+
 @dataclass(frozen=True)
 class EncodedPrompt:
     """A prompt's token ids, already checked by `LLMEngine.encode_prompt` to fit the engine."""
@@ -207,13 +212,13 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                 "(leave room for at least one generated token)"
             )
         pages = self.allocator
         if -(-(len(ids) + 1) // pages.page_size) > pages.num_usable_pages:
-            raise ValueError(
+            raise PromptTooLong(
                 f"prompt has {len(ids)} tokens but the KV cache holds only "
                 f"{pages.num_usable_pages * pages.page_size}"
             )

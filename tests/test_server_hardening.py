@@ -357,6 +357,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(qwen3_di
             status, _, error = call(server, "POST", path, body)
             assert (status, error["error"]["param"]) == (400, param), (path, error)
             assert "too long" in error["error"]["message"]
+            assert error["error"]["code"] == "context_length_exceeded"
         assert tokenized == []
         assert good_request_succeeds(server)
 

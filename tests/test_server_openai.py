@@ -211,9 +211,13 @@ def test_context_and_stream_limits(server: OpenAIServer, client: openai.OpenAI) 
                                {"messages": CHAT, name: context})
         assert status == 400 and body["error"]["param"] == name, body
         assert "context" in body["error"]["message"]
+        assert body["error"]["code"] == "context_length_exceeded"
     status, _, body = call(server, "POST", "/v1/completions",
                            {"prompt": [5] * 10, "max_tokens": context - 9})
-    assert status == 400
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, _, body = call(server, "POST", "/v1/completions", {"prompt": [5] * context})
+    assert (status, body["error"]["code"]) == (400, "context_length_exceeded"), body
+    assert "max_model_len" in body["error"]["message"]
     assert call(server, "POST", "/v1/completions",
                 {"prompt": [5] * 10, "max_tokens": context - 10, "stop_token_ids": [5],
                  "temperature": 0, "logit_bias": {"5": 100}})[0] == 200

@@ -23,7 +23,7 @@ from typing import Any
 
 import jinja2
 
-from nanoqwen.engine import EncodedPrompt, LLMEngine, Prompt
+from nanoqwen.engine import EncodedPrompt, LLMEngine, Prompt, PromptTooLong
 from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.text.stop_strings import compile_stop_strings
 
@@ -71,6 +71,12 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def context_too_long(message: str, param: str) -> APIError:
+    """A 400 for a request that cannot fit the model's context, with the code OpenAI gives it
+    (a chat client reads it to offer dropping the oldest turns)."""
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
 def internal_error(request_id: str) -> APIError:
@@ -180,7 +186,7 @@ def check_context(prompts: list[EncodedPrompt], options: GenerationOptions,
     name, asked = options.max_tokens
     for prompt in prompts:
         if len(prompt.token_ids) + asked > max_model_len:
-            raise bad_request(
+            raise context_too_long(
                 f"{name} is too large: {asked}. This model's context is {max_model_len} tokens "
                 f"and the prompt has {len(prompt.token_ids)} ({asked} > {max_model_len} - "
                 f"{len(prompt.token_ids)})", name,
@@ -312,7 +318,7 @@ def check_text_size(size: int, max_model_len: int, param: str) -> None:
     """A 400 for text of `size` bytes that cannot fit the context, without tokenizing it."""
     limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
     if size > limit:
-        raise bad_request(
+        raise context_too_long(
             f"{param} is too long: {size} bytes of text cannot fit this model's context of "
             f"{max_model_len} tokens (the limit is {limit} bytes)", param,
         )
@@ -326,6 +332,8 @@ def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list
             check_text_size(len(prompt.encode()), engine.max_model_len, param)
     try:
         return [engine.encode_prompt(prompt) for prompt in prompts]
+    except PromptTooLong as error:
+        raise context_too_long(str(error), param) from error
     except ValueError as error:
         raise bad_request(str(error), param) from error
 

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import resources
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
@@ -26,7 +25,7 @@ from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.sampling.pooling import PoolingParams
-from nanoqwen.server import protocol, tokens
+from nanoqwen.server import page, protocol, tokens
 from nanoqwen.server.engine_loop import (
     NotServing,
     QueueFull,
@@ -39,17 +38,15 @@ from nanoqwen.server.logprobs import parse_chat_logprobs, parse_completion_logpr
 from nanoqwen.server.plumbing import HTTPHandler
 from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request
 from nanoqwen.server.responses import API, ChatAPI, CompletionsAPI, Reply
-from nanoqwen.server.structured import compile_structured_output, parse_structured_output
+from nanoqwen.server.structured import (
+    compile_structured_output,
+    parse_structured_output,
+)
 from nanoqwen.server.tools import ToolOptions, parse_tools, tool_fields
 
 MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the id may hold slashes (a hub id)
 POLL_SECONDS = 0.25  # how often a handler waiting for tokens checks its client and deadline
 RETRY_AFTER_SECONDS = 1
-
-# `GET /` serves a whole chat client in one page: fetch() streams the SSE response, the
-# conversation lives in the browser and is sent in full every turn, and Stop aborts the
-# fetch (which the server sees as a disconnect, and aborts the request).
-CHAT_PAGE = (resources.files("nanoqwen") / "chat.html").read_bytes()
 
 
 class OpenAIHandler(HTTPHandler):
@@ -104,8 +101,10 @@ class OpenAIHandler(HTTPHandler):
             self._authorize()
         route(self)
 
-    def chat_page(self) -> None:
-        self._send_bytes(200, CHAT_PAGE, "text/html; charset=utf-8")
+    def page_file(self) -> None:
+        """The chat page and the files it loads (see `page`)."""
+        path = self.path.split("?", 1)[0]
+        self._send_bytes(*page.answer(path, self.headers.get("If-None-Match")))
 
     def no_icon(self) -> None:
         self._send_bytes(204, b"", "image/x-icon")
@@ -224,7 +223,7 @@ class OpenAIHandler(HTTPHandler):
         return spec
 
     ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {
-        "/": {"GET": chat_page},
+        **dict.fromkeys(page.PAGE_FILES, {"GET": page_file}),  # "/" and "/static/..."
         "/favicon.ico": {"GET": no_icon},
         "/health": {"GET": health},
         "/metrics": {"GET": metrics},
