@@ -266,13 +266,26 @@ def test_unsupported_openai_fields_are_refused(server: OpenAIServer, path: str, 
     assert error["error"]["param"] == name and name in error["error"]["message"]
 
 
-@pytest.mark.parametrize("role", ["developer", "function", "xyz", "", None, ["user"]])
+@pytest.mark.parametrize("role", ["function", "xyz", "", None, ["user"]])
 def test_unknown_roles_are_refused(server: OpenAIServer, role: object) -> None:
     """A template would render any role into the prompt as it is (`<|im_start|>xyz`)."""
     messages = [{"role": role, "content": "hi"}]
     status, _, error = call(server, "POST", "/v1/chat/completions", {"messages": messages})
     assert (status, error["error"]["param"]) == (400, "messages[0].role")
-    assert "system, user, assistant, tool" in error["error"]["message"]
+    assert "system, developer, user, assistant, tool" in error["error"]["message"]
+
+
+def test_developer_messages_are_system_messages(server: OpenAIServer, client: openai.OpenAI,
+                                                offline: LLM) -> None:
+    """OpenAI's current API sends the system prompt with the role `developer`."""
+    system = [{"role": "system", "content": "Answer in one word."}, *CHAT]
+    developer = [{"role": "developer", "content": "Answer in one word."}, *CHAT]
+    _, _, tokenized = call(server, "POST", "/tokenize", {"messages": developer})
+    assert tokenized["tokens"] == offline.chat_prompt(system)  # rendered as a system message
+    replies = [client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              max_tokens=8)
+               for messages in (system, developer)]
+    assert replies[1].choices[0].message.content == replies[0].choices[0].message.content
 
 
 def test_harmless_and_unknown_fields(server: OpenAIServer, client: openai.OpenAI,

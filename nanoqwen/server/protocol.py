@@ -33,7 +33,10 @@ MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
 # text that fits the context comes near this many per token, so a longer prompt is refused
 # from its length alone, before the tokenizer spends seconds on it.
 MAX_PROMPT_BYTES_PER_TOKEN = 16
-ROLES = ("system", "user", "assistant", "tool")  # what the chat templates know
+# The roles a message may have, and the one the chat template renders it as: `developer` is
+# OpenAI's newer name for `system`, which is all the templates know.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 # Request fields passed to SamplingParams, which checks types and ranges and names the culprit.
 SAMPLING_FIELDS = (
@@ -360,10 +363,12 @@ def _parse_message(message: object, param: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
     role = message.get("role")
-    if role not in ROLES:  # a template would write any other one into the prompt as it is
+    # A template would write any other role into the prompt as it is.
+    if not isinstance(role, str) or role not in ROLES:
         raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}",
                           f"{param}.role")
-    return {"role": role, "content": _message_text(message.get("content"), f"{param}.content")}
+    content = _message_text(message.get("content"), f"{param}.content")
+    return {"role": ROLES[role], "content": content}
 
 
 def _message_text(content: object, param: str) -> str:
