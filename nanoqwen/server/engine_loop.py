@@ -5,7 +5,9 @@ HTTP server is most simply one thread per connection, blocking on its client.
 `EngineLoop` joins the two:
 
     handler threads (one per connection)         engine thread (exactly one)
-    parse, validate, tokenize the prompt
+    parse and validate the request
+    reserve its queue slots (or 429)
+    tokenize the prompt
     submit  ────────── command queue ─────────►  add_request / abort / stats
                                                  step() ──► RequestOutputs
     block on its own output queue ◄──────────── route each output by request id
