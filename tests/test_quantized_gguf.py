@@ -174,7 +174,8 @@ def test_int4_linear_multiplies_by_the_files_weights(four_bit_tensors: list[gguf
         # bfloat16 rounds to 8 significant bits: the scale times |code - 8| <= 8, and the zero.
         bound = 2**-8 * (8 * per_weight(scales.abs()) + per_weight(zeros.abs()))
         assert ((kept - exact).abs() <= bound).all(), tensor.name
-        rows = torch.randn(3, in_features, generator=generator).to(torch.bfloat16)
+        # Rows as a view of another layout, as attention hands them on.
+        rows = torch.randn(in_features, 3, generator=generator).to(torch.bfloat16).T
         expected = rows.float() @ exact.T
         torch.testing.assert_close(
             linear(rows).float(), expected, rtol=2**-7, atol=2**-7 * float(expected.abs().max())

@@ -132,7 +132,7 @@ class BFloat16KernelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         out = self.multiply(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
