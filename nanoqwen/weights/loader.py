@@ -136,7 +136,9 @@ def runtime_quantization(
     return WeightQuantization(quantization)
 
 
-def keeps_file_codes(scheme: WeightQuantization, checkpoint: Checkpoint, device: torch.device) -> bool:
+def keeps_file_codes(
+    scheme: WeightQuantization, checkpoint: Checkpoint, device: torch.device
+) -> bool:
     """Does int4 keep a GGUF file's own 4-bit codes? On a CPU it does: the tensors stored
     in Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, and the others (Q5_K, Q6_K,
     Q8_0, ... whose codes do not fit 4 bits) int8 rows, which hold them more closely than

@@ -28,6 +28,11 @@ token through a 1536 x 8960 layer on 2 AVX2 cores, 0.6 ms here against 3.0 ms (b
 and 25 ms (float32) through torchao, and 3.4 ms dense in float32 (`docs/learn/`, the
 quantization note, has the commands).
 
+**int4 of a GGUF file on a CPU** is `Int4Linear`: the kernel's `(code - 8) * scale + zero`
+can hold GGUF's 4-bit types (Q4_0, Q4_1, Q4_K: `code * scale + offset` per 32 weights)
+with the file's own codes, so nothing is rounded again but the scales, to bfloat16. The
+file's tensors of other types (Q5_K, Q6_K, Q8_0, ...) become `Int8Linear`s.
+
 Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
 """
 
@@ -175,9 +180,11 @@ class Int4Linear(BFloat16KernelLinear):
         scales = weight.scales.to(torch.bfloat16)
         zeros = (weight.offsets + 8 * weight.scales).to(torch.bfloat16)
         codes = weight.codes.to(torch.int32)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.register_buffer("packed", packed)
         # [groups, out_features, 2]: the kernel's layout.
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous())
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
