@@ -205,7 +205,7 @@ def main(preset_or_config: str, path: Path) -> None:
     model_dir = Path(random_checkpoint(preset_or_config))
     config = json.loads((model_dir / "config.json").read_text())
     mix = llama_q4_k_m(config["num_hidden_layers"], config["tie_word_embeddings"])
-    write_gguf(model_dir, path, mix)
+    write_gguf(model_dir, path, mix, pre_tokenizer="qwen2")  # a name llama.cpp knows
     click.echo(f"wrote {path}")
 
 
