@@ -21,11 +21,11 @@ import click
 import pytest
 import torch
 import transformers
-from gguf_files import F, all_of, write_gguf
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.text.tokenizer import Tokenizer
 from tools.checkpoints import random_checkpoint, synthetic_tokenizer
+from tools.gguf_files import F, all_of, write_gguf
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
 PHASES = {"schedule", "propose", "prepare", "forward", "sample", "postprocess", "outside steps"}

@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from gguf_files import F, all_of, write_gguf
 from oracle import greedy, random_prompts
 from packed_checkpoints import Layout, write_packed_checkpoint
 from safetensors import safe_open
@@ -47,6 +46,7 @@ from nanoqwen.scheduling.request import Request
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.loader import load_model
 from tools.checkpoints import build_qwen2
+from tools.gguf_files import F, all_of, write_gguf
 
 VOCAB = 800
 # Small pages, a small pool, small chunks and few sequences at a time: prefills are

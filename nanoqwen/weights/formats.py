@@ -2,12 +2,16 @@
 
 * `PackedWeights`: a GPTQ or AWQ checkpoint's integer layout (`quantization_config`).
 * `WeightQuantization`: linear weights kept as int8 or int4 in memory (`quantization.py`).
+* `FourBitCodes`: a 4-bit GGUF tensor's own codes and group scales (`gguf.py`), which an
+  int4 linear keeps as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 # GGML's 4- and 5-bit types give every 32 weights (a block or sub-block) their own scale.
 GGUF_GROUP_SIZE = 32
@@ -19,6 +23,30 @@ class WeightQuantization:
 
     mode: str  # "int8": one scale per output row; "int4": a scale and zero per group
     group_size: int = 128  # int4: consecutive input channels that share a scale and zero
+
+
+@dataclass(frozen=True)
+class FourBitCodes:
+    """A weight `[out, in]` stored as 4-bit codes with a scale and an offset per group of
+    `GGUF_GROUP_SIZE` consecutive inputs: `w = code * scale + offset`, exactly.
+
+    GGUF's Q4_0 (`offset = -8 * scale`), Q4_1 and Q4_K (a scale and a minimum per 32-value
+    sub-block, themselves 6-bit multiples of the super-block's two float16 scales) all
+    come to this.
+    """
+
+    codes: torch.Tensor  # uint8 [out, in], each 0..15
+    scales: torch.Tensor  # float32 [out, in // GGUF_GROUP_SIZE]
+    offsets: torch.Tensor  # float32, like scales
+
+    @classmethod
+    def stacked(cls, parts: list[FourBitCodes]) -> FourBitCodes:
+        """The parts' rows one after another, as a fused weight holds them."""
+        return cls(
+            torch.cat([part.codes for part in parts]),
+            torch.cat([part.scales for part in parts]),
+            torch.cat([part.offsets for part in parts]),
+        )
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from nanoqwen.weights.formats import FourBitCodes
+
+# The 4-bit types, by where a block's codes start and how many bytes a run of them takes.
+FOUR_BIT_TYPES = {
+    gguf.GGMLQuantizationType.Q4_0: (2, 16),
+    gguf.GGMLQuantizationType.Q4_1: (4, 16),
+    gguf.GGMLQuantizationType.Q4_K: (16, 32),
+}
 # llama.cpp's architecture name → (gguf's enum for its tensor names, transformers' class).
 ARCHITECTURES = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, "Qwen2ForCausalLM"),
@@ -99,6 +107,23 @@ def iter_gguf_tensors(
     `model.layers.0.self_attn.q_proj.weight`) when one of them maps to the tensor's GGUF
     name, and under their GGUF name otherwise, for the loader to reject as unexpected.
     """
+    for name, tensor in named_tensors(path, checkpoint_names, num_layers):
+        yield name, dequantize(tensor, path)
+
+
+def iter_gguf_four_bit_codes(
+    path: str, checkpoint_names: Iterable[str], num_layers: int
+) -> Iterator[tuple[str, FourBitCodes]]:
+    """Yield (name, codes) for every tensor stored in a 4-bit type (Q4_0, Q4_1, Q4_K),
+    named as `iter_gguf_tensors` names them: the file's own codes and group scales."""
+    for name, tensor in named_tensors(path, checkpoint_names, num_layers):
+        if tensor.tensor_type in FOUR_BIT_TYPES:
+            yield name, four_bit_codes(tensor)
+
+
+def named_tensors(
+    path: str, checkpoint_names: Iterable[str], num_layers: int
+) -> Iterator[tuple[str, gguf.ReaderTensor]]:
     reader = open_gguf(path)
     gguf_arch = ARCHITECTURES[gguf_architecture(reader, path)][0]
     tensor_names = gguf.get_tensor_name_map(gguf_arch, num_layers)
@@ -109,7 +134,48 @@ def iter_gguf_tensors(
         if gguf_module is not None:
             by_gguf_name[f"{gguf_module}.{suffix}"] = name
     for tensor in reader.tensors:
-        yield by_gguf_name.get(tensor.name, tensor.name), dequantize(tensor, path)
+        yield by_gguf_name.get(tensor.name, tensor.name), tensor
+
+
+def four_bit_codes(tensor: gguf.ReaderTensor) -> FourBitCodes:
+    """A Q4_0, Q4_1 or Q4_K tensor's codes, and each 32-value group's scale and offset.
+
+    A block starts with its float16 scales and ends with its codes, two to a byte: the low
+    nibbles of a run of bytes are one run of values, their high nibbles the next.
+    """
+    codes_start, run = FOUR_BIT_TYPES[tensor.tensor_type]
+    rows = tensor.data.shape[0]
+    blocks = tensor.data.reshape(-1, gguf.GGML_QUANT_SIZES[tensor.tensor_type][1])
+    packed = blocks[:, codes_start:].reshape(len(blocks), -1, 1, run)
+    codes = (packed >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    scales, offsets = group_scales(tensor.tensor_type, blocks)
+    return FourBitCodes(
+        *(torch.from_numpy(array.reshape(rows, -1)) for array in (codes, scales, offsets))
+    )
+
+
+def group_scales(
+    qtype: gguf.GGMLQuantizationType, blocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's scale and offset, in float32, computed as llama.cpp dequantizes.
+
+    Q4_0: `w = d * (code - 8)`; Q4_1: `w = d * code + m`. A Q4_K super-block holds 8 groups:
+    after its two float16 scales `d` and `dmin`, 12 bytes pack each group's 6-bit
+    multipliers `sc` and `m` (unpacked by the `gguf` package), and `w = d * sc * code -
+    dmin * m`.
+    """
+    d = half(blocks[:, 0:2])
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        return d, -8 * d
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
+        return d, half(blocks[:, 2:4])
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    return d * sc.astype(np.float32), -(half(blocks[:, 2:4]) * m.astype(np.float32))
+
+
+def half(pairs: np.ndarray) -> np.ndarray:
+    """Pairs of bytes read as float16 numbers, in float32, one per row."""
+    return np.ascontiguousarray(pairs).view(np.float16).astype(np.float32)
 
 
 def dequantize(tensor: gguf.ReaderTensor, path: str) -> torch.Tensor:

@@ -13,7 +13,8 @@ don't know, or one of the wrong shape is an error naming that weight.
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
 dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers
 unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
-weights as int8 or int4 again, with the kernels torchao has for them.
+weights as int8 or int4 again, with torch's and torchao's kernels for them; on a CPU, a
+GGUF file's 4-bit tensors are read a second time for their own codes, which int4 keeps.
 
 Plain safetensors tensors are handed over unread (`get_slice`): each parameter's loader
 (`model/layers.py`) indexes the part it keeps, and safetensors copies just those rows or
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -37,10 +39,10 @@ from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.model.rotary import RotaryEmbedding
 from nanoqwen.weights.checkpoint import Checkpoint
-from nanoqwen.weights.formats import PackedWeights, WeightQuantization
-from nanoqwen.weights.gguf import iter_gguf_tensors
+from nanoqwen.weights.formats import FourBitCodes, PackedWeights, WeightQuantization
+from nanoqwen.weights.gguf import iter_gguf_four_bit_codes, iter_gguf_tensors
 from nanoqwen.weights.gptq_awq import unpack_checkpoint
-from nanoqwen.weights.quantization import quantize_linears
+from nanoqwen.weights.quantization import keep_four_bit_codes, quantize_linears
 
 Loader = Callable[[torch.Tensor, TensorSlice, int], torch.Tensor]
 # transformers name → (our fused parameter, index of its block).
@@ -95,6 +97,9 @@ def load_model(
         if len(filled[name]) < num_blocks:
             raise ValueError(f"missing weight {name!r} in checkpoint {path}")
     scheme = runtime_quantization(quantization, checkpoint, device)
+    if scheme is not None and keeps_file_codes(scheme, checkpoint, device):
+        keep_four_bit_codes(model, four_bit_linears(checkpoint, params))
+        scheme = WeightQuantization("int8")  # for every other linear layer, the lm_head too
     if scheme is not None:
         quantize_linears(model, scheme)
     return model.eval()
@@ -120,24 +125,45 @@ def runtime_quantization(
     quantization: str | None, checkpoint: Checkpoint, device: torch.device
 ) -> WeightQuantization | None:
     """What `quantization` asks for: None follows the checkpoint, "none" keeps full weights.
-
-    Following a 4-bit GGUF file on a CPU means int8 there: rounding GGUF's 4-bit blocks
-    (each with its own scale and minimum) onto torchao's 4-bit grid loses much more than
-    onto 8 bits per row, and torch's CPU int8 kernel is faster than its int4 one
-    (`quantization.py`). GPTQ/AWQ groups map onto the int4 grid as they are, and keep it.
-    Asked for by name, int4 is int4.
-    """
+    int4 keeps a GPTQ/AWQ checkpoint's or a GGUF file's group size."""
     own = checkpoint.quantization
     if quantization is None:
-        faithful_on_cpu = checkpoint.is_gguf and device.type == "cpu"
-        if own is not None and own.mode == "int4" and faithful_on_cpu:
-            return WeightQuantization("int8")
         return own
     if quantization == "none":
         return None
     if quantization == "int4" and own is not None and own.mode == "int4":
-        return own  # with the checkpoint's group size
+        return own
     return WeightQuantization(quantization)
+
+
+def keeps_file_codes(
+    scheme: WeightQuantization, checkpoint: Checkpoint, device: torch.device
+) -> bool:
+    """Does int4 keep a GGUF file's own 4-bit codes? On a CPU it does: the tensors stored
+    in Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, and the others (Q5_K, Q6_K,
+    Q8_0, ... whose codes do not fit 4 bits) int8 rows, which hold them more closely than
+    4 bits could. Elsewhere int4 re-rounds the weights onto torchao's grid."""
+    return scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
+
+
+def four_bit_linears(
+    checkpoint: Checkpoint, params: dict[str, tuple[torch.Tensor, Loader, int]]
+) -> Iterator[tuple[str, FourBitCodes]]:
+    """Each layer whose checkpoint weights are all stored in a 4-bit type, by module name,
+    with their codes stacked as the fused weight stacks them (q, k, v; gate, up)."""
+    config = checkpoint.model_config
+    parts: dict[str, dict[int, FourBitCodes]] = defaultdict(dict)
+    names = checkpoint_names(params)
+    for name, codes in iter_gguf_four_bit_codes(checkpoint.path, names, config.num_layers):
+        target, block = map_name(name, config)
+        if target not in params:  # the copy of a tied embedding
+            continue
+        parts[target][block] = codes
+        num_blocks = params[target][2]
+        if len(parts[target]) == num_blocks:
+            blocks = parts.pop(target)
+            stacked = FourBitCodes.stacked([blocks[index] for index in range(num_blocks)])
+            yield target.removesuffix(".weight"), stacked
 
 
 def is_unused_zero_bias(name: str, tensor: torch.Tensor, checkpoint: Checkpoint) -> bool:

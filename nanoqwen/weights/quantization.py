@@ -28,6 +28,11 @@ token through a 1536 x 8960 layer on 2 AVX2 cores, 0.6 ms here against 3.0 ms (b
 and 25 ms (float32) through torchao, and 3.4 ms dense in float32 (`docs/learn/`, the
 quantization note, has the commands).
 
+**int4 of a GGUF file on a CPU** is `Int4Linear`: the kernel's `(code - 8) * scale + zero`
+can hold GGUF's 4-bit types (Q4_0, Q4_1, Q4_K: `code * scale + offset` per 32 weights)
+with the file's own codes, so nothing is rounded again but the scales, to bfloat16. The
+file's tensors of other types (Q5_K, Q6_K, Q8_0, ...) become `Int8Linear`s.
+
 Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
 """
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,12 +48,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from nanoqwen.weights.formats import WeightQuantization
+from nanoqwen.weights.formats import GGUF_GROUP_SIZE, FourBitCodes, WeightQuantization
 
 logger = logging.getLogger(__name__)
 
 # int4 group sizes every int4 kernel above takes, largest (fewest scales) first.
 INT4_GROUP_SIZES = (128, 64, 32)
+# torch's CPU int4 packing takes weights of a multiple of this many output rows.
+INT4_CPU_ROWS = 16
 # What importing torchao logs that says nothing a user can act on, by logger: a warning for
 # each optional CUDA extension a CPU build of torch cannot load, and torch's notice that
 # torchao registers its enums in a way torch has deprecated. The weight-only paths used
@@ -120,28 +127,78 @@ def torchao_config(
     return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False), ""
 
 
-class Int8Linear(nn.Module):
-    """A linear layer kept as int8 codes with one scale per output row, `w ≈ code * scale`,
-    multiplied by torch's CPU kernel for them in bfloat16 (the result in the input's dtype)."""
+class BFloat16KernelLinear(nn.Module):
+    """A linear layer whose weight a CPU kernel multiplies from its integer codes, fed
+    bfloat16 rows (the kernels are fast for those alone); the result in the input's dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("codes", (weight / scales[:, None]).round().to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = self.multiply(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows @ weight.T`, bfloat16 `[n, in_features]` to `[n, out_features]`."""
+        raise NotImplementedError
+
+
+class Int8Linear(BFloat16KernelLinear):
+    """A linear layer kept as int8 codes with one scale per output row, `w ≈ code * scale`
+    (`_weight_int8pack_mm`)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("codes", (weight / scales[:, None]).round().to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         """The weight these codes stand for, `[out_features, in_features]`, in float32."""
         return self.codes.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(BFloat16KernelLinear):
+    """A linear layer kept as a GGUF file's own 4-bit codes, with a scale and a zero per
+    group of 32 inputs: `w = (code - 8) * scale + zero` (`_weight_int4pack_mm_for_cpu`).
+
+    The file's weight is `code * scale + offset` (`FourBitCodes`), so `zero = offset + 8 *
+    scale` gives it back with the same codes; only the scale and the zero are rounded, to
+    bfloat16, the kernel's type for them: a weight is off by its group's scale error
+    times `code - 8` (at most 8) plus the zero's error, a few hundredths of a code step.
+    """
+
+    def __init__(self, linear: nn.Linear, weight: FourBitCodes) -> None:
+        super().__init__(linear)
+        scales = weight.scales.to(torch.bfloat16)
+        zeros = (weight.offsets + 8 * weight.scales).to(torch.bfloat16)
+        codes = weight.codes.to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.register_buffer("packed", packed)
+        # [groups, out_features, 2]: the kernel's layout.
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    def multiply(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, GGUF_GROUP_SIZE, self.scales_and_zeros
+        )
+
+
+def keep_four_bit_codes(model: nn.Module, linears: Iterable[tuple[str, FourBitCodes]]) -> None:
+    """Replace each named linear layer by an `Int4Linear` of its codes, in place, where
+    torch's kernel takes its shape (outputs a multiple of `INT4_CPU_ROWS`)."""
+    for name, codes in linears:
+        linear = model.get_submodule(name)
+        if isinstance(linear, nn.Linear) and linear.out_features % INT4_CPU_ROWS == 0:
+            replace_module(model, name, Int4Linear(linear, codes))
 
 
 def swap_modules(
@@ -150,8 +207,12 @@ def swap_modules(
     """Replace every submodule `wanted` says yes to by `make(it)`, in place."""
     for name, module in list(model.named_modules()):
         if name and wanted(module):
-            parent, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(parent), attribute, make(module))
+            replace_module(model, name, make(module))
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, new)
 
 
 def int4_group_size(requested: int, in_features: list[int]) -> int | None:
@@ -164,8 +225,14 @@ def int4_group_size(requested: int, in_features: list[int]) -> int | None:
 
 def weight_memory_bytes(model: nn.Module) -> int:
     """Bytes held by the model's parameters (a tied weight once, quantized ones as their
-    codes plus scales and zero points) and by `Int8Linear`s' codes and scales."""
-    codes = [t for m in model.modules() if isinstance(m, Int8Linear) for t in (m.codes, m.scales)]
+    codes plus scales and zero points) and by `Int8Linear`s' and `Int4Linear`s' codes and
+    scales."""
+    codes = [
+        tensor
+        for module in model.modules()
+        if isinstance(module, BFloat16KernelLinear)
+        for tensor in module.buffers(recurse=False)
+    ]
     return sum(tensor_bytes(tensor) for tensor in (*model.parameters(), *codes))
 
 

@@ -1,4 +1,5 @@
-"""Tiny GGUF files for tests, written with the `gguf` package from the tiny checkpoints.
+"""GGUF files written with the `gguf` package from checkpoint directories: tiny ones for
+the tests, model-sized ones of random weights for benchmarks.
 
 A GGUF file is llama.cpp's single-file checkpoint: the config and the tokenizer live in its
 metadata under llama.cpp's key names, and the tensors under llama.cpp's names
@@ -13,17 +14,27 @@ so those tensors get random codes and sub-block scales, with super-block scales 
 give the weights the checkpoint's spread, centred on zero: a valid file of that type that
 both nanoqwen and transformers must read identically, though its weights are not the
 checkpoint's. Other types without a quantizer get random bytes.
+
+For a benchmark, write a random-weights model of a preset shape (`checkpoints.py`) in a
+mix like llama.cpp's Q4_K_M, and run every engine on that one file:
+
+    python -m tools.gguf_files qwen2.5-1.5b qwen2.5-1.5b-q4_k_m.gguf
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
+import click
 import gguf
 import numpy as np
-from safetensors.numpy import load_file
+import torch
+from safetensors import safe_open
+
+from tools.checkpoints import random_checkpoint
 
 F = gguf.GGMLQuantizationType
 # Where each k-quant block keeps its float16 super-block scale `d` and, for the types
@@ -52,6 +63,26 @@ def k_quant_mix(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
     return F.Q5_K if name.startswith("token_embd") else F.Q4_K
 
 
+def llama_q4_k_m(num_layers: int, tied_embedding: bool) -> TypeChooser:
+    """llama.cpp's own Q4_K_M choices for a Qwen2 model: Q4_K, but Q6_K for the v and down
+    projections of the first and last eighth of the layers and every third layer between,
+    and for the vocabulary projection (the embedding, when it is tied to it)."""
+
+    def more_bits(layer: int) -> bool:
+        eighth = num_layers // 8
+        return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+    def choose(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
+        if len(shape) == 1:
+            return F.F32
+        if name == "output.weight" or (tied_embedding and name == "token_embd.weight"):
+            return F.Q6_K
+        layer = re.match(r"blk\.(\d+)\.(attn_v|ffn_down)\.", name)
+        return F.Q6_K if layer and more_bits(int(layer.group(1))) else F.Q4_K
+
+    return choose
+
+
 def write_gguf(
     model_dir: str | Path,
     path: str | Path,
@@ -77,11 +108,13 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     tensor_arch = ARCHITECTURES.get(arch_name, gguf.MODEL_ARCH.QWEN2)
     names = gguf.get_tensor_name_map(tensor_arch, config["num_hidden_layers"])
-    for hf_name, weight in sorted(load_file(model_dir / "model.safetensors").items()):
+    checkpoint = safe_open(model_dir / "model.safetensors", framework="pt")
+    for hf_name in sorted(checkpoint.keys()):
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
         if name in drop:
             continue
+        weight = checkpoint.get_tensor(hf_name).to(torch.float32).numpy()
         qtype = choose_type(name, weight.shape)
         try:
             data = gguf.quantize(weight, qtype)
@@ -162,3 +195,19 @@ def _add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, pre_tokeni
     writer.add_bos_token_id(by_content[tokenizer_config["pad_token"]])
     writer.add_add_bos_token(False)
     writer.add_chat_template((model_dir / "chat_template.jinja").read_text())
+
+
+@click.command()
+@click.argument("preset_or_config")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def main(preset_or_config: str, path: Path) -> None:
+    """Write random weights of PRESET_OR_CONFIG's shape as a Q4_K_M-like GGUF file at PATH."""
+    model_dir = Path(random_checkpoint(preset_or_config))
+    config = json.loads((model_dir / "config.json").read_text())
+    mix = llama_q4_k_m(config["num_hidden_layers"], config["tie_word_embeddings"])
+    write_gguf(model_dir, path, mix, pre_tokenizer="qwen2")  # a name llama.cpp knows
+    click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
