@@ -10,9 +10,12 @@ Read it in this order:
   `logprobs`, `structured` and `tools` are the parts of a request that ask for
   log-probabilities, a grammar or tool calls, each with its own corner of the answer;
   `tokens` shapes the routes beside generation (embeddings, tokenize, model cards).
+* `tokenizing` — prompts and conversations into token ids, each request's size bounded
+  before the tokenizer runs.
 * `routes` — the endpoints, and the flow of one completion from body to last chunk.
-* `plumbing` and `app` — the `http.server` parts: deadlines, disconnects, who may call,
-  Server-Sent Events, the connection cap and a shutdown that never waits on a client.
+* `plumbing`, `sockets` and `app` — the `http.server` parts: deadlines, disconnects, who
+  may call, Server-Sent Events, the connection cap and a shutdown that never waits on a
+  client.
 
 `make_server(model, host, port, **options)` takes the port, loads a model and returns
 the bound `OpenAIServer`; `serve.py` is its command line.

@@ -45,8 +45,6 @@ import select
 import socket
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
@@ -58,6 +56,12 @@ from nanoqwen.server import protocol
 from nanoqwen.server.protocol import APIError, bad_request
 from nanoqwen.server.responses import usage
 from nanoqwen.server.settings import ServerSettings
+from nanoqwen.server.sockets import (
+    ClientDisconnected,
+    DeadlineReader,
+    ProgressWriter,
+    client_writes,
+)
 
 logger = logging.getLogger("nanoqwen.server")
 
@@ -70,49 +74,6 @@ MAX_DISCARD_BYTES = 64 << 20  # past this, a rejected body is not worth reading 
 DISCARD_SECONDS = 2.0
 END_OF_HEADERS = (b"\r\n", b"\n", b"")  # the blank line, or a client that stopped sending
 GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
-
-
-class ClientDisconnected(Exception):
-    """The client closed its connection: there is nobody left to answer."""
-
-
-class DeadlineReader(io.RawIOBase):
-    """Socket reads that all end by one deadline, however slowly the bytes trickle in."""
-
-    def __init__(self, connection: socket.socket, deadline: float) -> None:
-        self.connection, self.deadline = connection, deadline
-        self.received = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the request was not received in time")
-        self.connection.settimeout(remaining)
-        count = self.connection.recv_into(buffer)
-        self.received += count
-        return count
-
-
-class ProgressWriter(io.RawIOBase):
-    """Socket writes that fail (`TimeoutError`) once the client takes nothing for `timeout`
-    seconds: each send waits that long at most for room in the send buffer, and whatever
-    the client reads starts the wait again, so a slow reader is served, a stalled one not."""
-
-    def __init__(self, connection: socket.socket, timeout: float) -> None:
-        self.connection, self.timeout = connection, timeout
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self.connection.settimeout(self.timeout)
-        view, sent = memoryview(data).cast("B"), 0
-        while sent < len(view):
-            sent += self.connection.send(view[sent:])
-        return sent
 
 
 @dataclass
@@ -148,17 +109,6 @@ class AccessRecord:
         ).rstrip()
         # What a client sent may hold terminal escapes or newlines: log it escaped.
         return line.encode("unicode_escape").decode("ascii")
-
-
-@contextmanager
-def client_writes() -> Iterator[None]:
-    """A failed write means the client went away (or stopped reading: as good as gone)."""
-    try:
-        yield
-    except TimeoutError as error:
-        raise ClientDisconnected("client stopped reading") from error
-    except OSError as error:
-        raise ClientDisconnected("client disconnected") from error
 
 
 def is_loopback_host(host: str) -> bool:

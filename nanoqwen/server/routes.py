@@ -25,7 +25,7 @@ from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.sampling.params import SamplingParams
 from nanoqwen.sampling.pooling import PoolingParams
-from nanoqwen.server import page, protocol, tokens
+from nanoqwen.server import page, protocol, tokenizing, tokens
 from nanoqwen.server.engine_loop import (
     NotServing,
     QueueFull,
@@ -136,18 +136,18 @@ class OpenAIHandler(HTTPHandler):
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         check_fields(body, "chat")
-        messages = protocol.parse_messages(body, tool_fields)
+        messages = tokenizing.parse_messages(body, tool_fields)
         tools = parse_tools(body)
-        template = protocol.parse_template_options(body, messages, tools and tools.tools)
+        template = tokenizing.parse_template_options(body, messages, tools and tools.tools)
         logprobs = parse_chat_logprobs(body)
         options = protocol.parse_generation_options(
             body, engine.max_model_len, engine, logprobs=logprobs,
             structured_output=self._structured_output(body, tools),
         )
         with self._reserve(len(options.params)) as reservation:
-            prompt = protocol.render_chat(engine, messages, template)
-            prompts = protocol.encode_prompts(engine, [prompt], "messages")
-            protocol.check_context(prompts, options, engine.max_model_len)
+            prompt = tokenizing.render_chat(engine, messages, template)
+            prompts = tokenizing.encode_prompts(engine, [prompt], "messages")
+            tokenizing.check_context(prompts, options, engine.max_model_len)
             api = ChatAPI(engine.tokenizer, logprobs is not None, tools)
             self._generate(api, reservation, prompts, options)
 
@@ -155,7 +155,7 @@ class OpenAIHandler(HTTPHandler):
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         check_fields(body, "completions")
-        prompts = protocol.parse_prompts(body)
+        prompts = tokenizing.parse_prompts(body)
         logprobs, echo = parse_completion_logprobs(body)
         options = protocol.parse_generation_options(
             body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine, logprobs=logprobs,
@@ -164,8 +164,8 @@ class OpenAIHandler(HTTPHandler):
         )
         # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
         with self._reserve(len(prompts) * len(options.params)) as reservation:
-            encoded = protocol.encode_prompts(engine, prompts, "prompt")
-            protocol.check_context(encoded, options, engine.max_model_len)
+            encoded = tokenizing.encode_prompts(engine, prompts, "prompt")
+            tokenizing.check_context(encoded, options, engine.max_model_len)
             api = CompletionsAPI(engine.tokenizer, logprobs is not None, echo)
             self._generate(api, reservation, encoded, options)
 
@@ -174,9 +174,9 @@ class OpenAIHandler(HTTPHandler):
         protocol.check_model(body, self.server.settings.model_name)
         check_fields(body, "embeddings")
         encoding = tokens.parse_encoding_format(body)
-        prompts = protocol.parse_prompts(body, "input")
+        prompts = tokenizing.parse_prompts(body, "input")
         with self._reserve(len(prompts)) as reservation:
-            encoded = protocol.encode_prompts(engine, prompts, "input")
+            encoded = tokenizing.encode_prompts(engine, prompts, "input")
             sequences = [(prompt, PoolingParams()) for prompt in encoded]
             with self._submitted(reservation, sequences, "embd") as submission:
                 finals = self._collect(submission)
@@ -187,13 +187,13 @@ class OpenAIHandler(HTTPHandler):
         engine, body = self.server.engine, self._read_json()
         protocol.check_model(body, self.server.settings.model_name)
         if body.get("messages") is not None:  # a chat, rendered as the chat route renders it
-            messages = protocol.parse_messages(body, tool_fields)
+            messages = tokenizing.parse_messages(body, tool_fields)
             tools = parse_tools(body)
-            template = protocol.parse_template_options(body, messages, tools and tools.tools)
+            template = tokenizing.parse_template_options(body, messages, tools and tools.tools)
             with self._reserve(1):
-                token_ids = protocol.render_chat(engine, messages, template)
+                token_ids = tokenizing.render_chat(engine, messages, template)
         elif isinstance(body.get("prompt"), str):
-            protocol.check_text_size(len(body["prompt"].encode()), engine.max_model_len, "prompt")
+            tokenizing.check_text_size(len(body["prompt"].encode()), engine.max_model_len, "prompt")
             with self._reserve(1):
                 token_ids = engine.tokenizer.encode(body["prompt"])
         else:
