@@ -128,6 +128,13 @@ def wait_for_first_token(page: Any) -> None:
                            state="attached", timeout=30_000)
 
 
+def start_a_long_reply(page: Any) -> None:
+    """Ask for a reply long enough to be interrupted, and wait until it has begun."""
+    settings(page, max_tokens=LONG_REPLY)
+    send(page, "tell me a long story")
+    wait_for_first_token(page)
+
+
 def stored(page: Any) -> dict[str, Any]:
     """The page's conversations as kept in localStorage."""
     return json.loads(page.evaluate(f"localStorage.getItem('{STORE_KEY}')"))
@@ -257,9 +264,7 @@ def test_stop_keeps_the_partial_reply_marked_stopped(
     browser: Any, slow_server: OpenAIServer
 ) -> None:
     with open_page(browser, slow_server) as page:
-        settings(page, max_tokens=LONG_REPLY)
-        send(page, "tell me a long story")
-        wait_for_first_token(page)
+        start_a_long_reply(page)
         page.click("#stop")
         wait_until_idle(page)
         [_, reply] = messages(page)
@@ -389,9 +394,7 @@ def test_a_reply_cut_off_is_an_error_and_retry_recovers(
     browser: Any, slow_server: OpenAIServer
 ) -> None:
     with open_page(browser, slow_server) as page:
-        settings(page, max_tokens=LONG_REPLY)
-        send(page, "tell me a long story")
-        wait_for_first_token(page)
+        start_a_long_reply(page)
         # As if the server died: its connections close mid-reply, without `data: [DONE]`.
         for connection in list(slow_server._connections):
             connection.shutdown(socket.SHUT_RDWR)
@@ -410,9 +413,7 @@ def test_a_server_stopping_mid_reply_says_so(browser: Any, qwen3_dir: str) -> No
     with running_server(qwen3_dir) as server:
         slow_down(server)
         with open_page(browser, server) as page:
-            settings(page, max_tokens=LONG_REPLY)
-            send(page, "tell me a long story")
-            wait_for_first_token(page)
+            start_a_long_reply(page)
             server.engine_loop.stop()  # what stopping the server does first
             page.wait_for_selector(".failed .error")
             assert page.text_content(".failed .error") == "the server is shutting down"
