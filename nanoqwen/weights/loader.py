@@ -36,6 +36,7 @@ from torch import nn
 
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
+from nanoqwen.model.packed import pack_linear_weights, packs_linear_weights
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.model.rotary import RotaryEmbedding
 from nanoqwen.weights.checkpoint import Checkpoint
@@ -102,6 +103,8 @@ def load_model(
         scheme = WeightQuantization("int8")  # for every other linear layer, the lm_head too
     if scheme is not None:
         quantize_linears(model, scheme)
+    elif packs_linear_weights(dtype, device):
+        pack_linear_weights(model)
     return model.eval()
 
 
