@@ -15,7 +15,7 @@ from bf16_oracle import assert_greedy_agrees, hf_bf16, hf_greedy_with_logits, ti
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
-from nanoqwen.model.packed import PackableLinear, pack_linear_weights, packs_linear_weights
+from nanoqwen.model.packed import PackableLinear, pack_linear_weights
 from nanoqwen.weights import loader
 
 VOCAB = 800
@@ -92,7 +92,7 @@ def test_packing_leaves_greedy_tokens_and_the_tied_embedding_unchanged(
 ) -> None:
     engines = []
     for packs in (True, False):
-        monkeypatch.setattr(loader, "packs_linear_weights", lambda dtype, device: packs)
+        monkeypatch.setattr(loader, "packs_linear_weights", lambda dtype, device, packs=packs: packs)
         engines.append(LLMEngine(model_dir, device="cpu", dtype="bfloat16", num_pages=200, max_num_seqs=16))
     packed, plain = (engine.runner.model for engine in engines)
     assert packed.lm_head.weight.is_mkldnn and packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
