@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoqwen.model.packed import PackableLinear
+
 
 class TensorSlice(Protocol):
     """A checkpoint tensor that reads only the part it is indexed with (safetensors'
@@ -162,7 +164,7 @@ def load_whole(param: torch.Tensor, source: TensorSlice, block: int) -> torch.Te
     return param.data
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(PackableLinear):
     """`x @ W.T` for this rank's output rows: one `Split` per fused checkpoint block."""
 
     def __init__(self, in_features: int, splits: Sequence[Split], bias: bool) -> None:
@@ -174,7 +176,7 @@ class ColumnParallelLinear(nn.Linear):
         return read_block(param, source, block, self.splits, dim=0)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackableLinear):
     """`x @ W.T` over this rank's input columns, summed over the ranks (an all-reduce)."""
 
     def __init__(self, in_split: Split, out_features: int) -> None:
@@ -216,7 +218,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(hidden)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(PackableLinear):
     """This rank's block of the vocabulary's logits (the same rows as the embedding's)."""
 
     def __init__(self, hidden_size: int, embedding: VocabParallelEmbedding) -> None:

@@ -15,6 +15,8 @@ dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers
 unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
 weights as int8 or int4 again, with torch's and torchao's kernels for them; on a CPU, a
 GGUF file's 4-bit tensors are read a second time for their own codes, which int4 keeps.
+A bf16 model left unquantized on a CPU with bf16 arithmetic has its linear weights
+reordered once into oneDNN's blocked layout instead (`model/packed.py`).
 
 Plain safetensors tensors are handed over unread (`get_slice`): each parameter's loader
 (`model/layers.py`) indexes the part it keeps, and safetensors copies just those rows or
@@ -36,6 +38,7 @@ from torch import nn
 
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
+from nanoqwen.model.packed import pack_linear_weights, packs_linear_weights
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.model.rotary import RotaryEmbedding
 from nanoqwen.weights.checkpoint import Checkpoint
@@ -102,6 +105,8 @@ def load_model(
         scheme = WeightQuantization("int8")  # for every other linear layer, the lm_head too
     if scheme is not None:
         quantize_linears(model, scheme)
+    elif packs_linear_weights(dtype, device):
+        pack_linear_weights(model)
     return model.eval()
 
 
