@@ -103,8 +103,7 @@ class OpenAIHandler(HTTPHandler):
 
     def page_file(self) -> None:
         """The chat page and the files it loads (see `page`)."""
-        path = self.path.split("?", 1)[0]
-        self._send_bytes(*page.answer(path, self.headers.get("If-None-Match")))
+        self._send_bytes(*page.answer(self.record.path, self.headers.get("If-None-Match")))
 
     def no_icon(self) -> None:
         self._send_bytes(204, b"", "image/x-icon")
