@@ -1,20 +1,18 @@
 """nanoqwen: a minimal, readable, fast inference engine for Qwen2 and Qwen3.
 
-Importing it first sets OpenMP's wait policy to passive (unless the environment says
-otherwise), before torch loads OpenMP, which reads it once: torch's threads then sleep at
-the end of each parallel region instead of spinning. A decode step is hundreds of small
-parallel regions, and spinning threads steal the core a descheduled one needs as soon as
-another process shares the cores: measured on 2 cores with one busy process beside
-nanoqwen, batch-1 decode kept 56% of its quiet speed passive and 31% spinning, for 2-4%
-of quiet speed (docs/benchmarks.md, "On a CPU, beside vLLM and llama.cpp", has the figures
-and commands).
+Importing it first tells OpenMP, before torch loads it (it reads its settings once), to let
+torch's threads spin a little (`GOMP_SPINCOUNT`, unless the environment says otherwise) at
+the end of each parallel region before they sleep: a decode step is a hundred-odd regions
+microseconds apart, and waking a sleeping thread for each cost 25% of a step on 2 cores.
+Spinning only pays on idle cores, so the runner also uses only the cores other processes
+leave free (`runner/cpu_threads.py` has the figures).
 """
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-from nanoqwen.engine import LLMEngine  # noqa: E402 (torch loads after the policy is set)
+from nanoqwen.engine import LLMEngine  # noqa: E402 (torch loads after the spin count is set)
 from nanoqwen.llm import LLM  # noqa: E402
 from nanoqwen.outputs import RequestOutput, StepError  # noqa: E402
 from nanoqwen.sampling.grammar import StructuredOutput  # noqa: E402

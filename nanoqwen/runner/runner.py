@@ -44,6 +44,7 @@ from nanoqwen.memory.sizing import (
 from nanoqwen.model.layers import split_across
 from nanoqwen.parallel.launch import ALONE, Ranks
 from nanoqwen.parallel.step_broadcast import WireStep
+from nanoqwen.runner.cpu_threads import CpuThreads
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner, decode_buckets
 from nanoqwen.runner.memory_profile import (
     CudaMemory,
@@ -118,6 +119,7 @@ class ModelRunner:
         )
         self.kv_cache: KVCache | None = None
         self.pipeline: StepPipeline | None = None
+        self.cpu_threads = CpuThreads(self.device)
 
     # ----------------------------------------------------------------- the step
     def run(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
@@ -137,6 +139,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows; the other ranks, if any, run the same step."""
         workers = self.ranks.workers
+        self.cpu_threads.adjust()
         with on_device(self.device):
             if workers is None:
                 return self.pipeline.forward(inputs)
@@ -152,6 +155,7 @@ class ModelRunner:
 
     def forward_from_wire(self, step: WireStep) -> None:
         """Another rank's part of a step rank 0 broadcast."""
+        self.cpu_threads.adjust()
         with on_device(self.device):
             self.pipeline.forward(StepInputs.from_wire(step).to(self.device))
 

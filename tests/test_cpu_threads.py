@@ -1,0 +1,146 @@
+"""The runner's CPU thread count follows the cores other processes leave free."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from nanoqwen.runner import cpu_threads
+from nanoqwen.runner.cpu_threads import CoreTimes, CpuThreads, busy_seconds, threads_for
+
+STAT = """cpu  900 0 90 9000 9 0 0 0 0 0
+cpu0 100 5 10 1000 7 1 2 3 0 0
+cpu1 800 0 80 8000 2 0 0 0 0 0
+intr 12345
+ctxt 678
+"""
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_busy_seconds_counts_all_but_idle_and_iowait_of_the_chosen_cores() -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    assert busy_seconds(STAT, {0}) == pytest.approx((100 + 5 + 10 + 1 + 2 + 3) / tick)
+    assert busy_seconds(STAT, {1}) == pytest.approx(880 / tick)
+    assert busy_seconds(STAT, {0, 1}) == pytest.approx(1001 / tick)
+    assert busy_seconds(STAT, {5}) == 0  # the aggregate "cpu" line is never read
+
+
+@pytest.mark.parametrize(("cores", "others", "most", "expected"), [
+    (2, 0.0, 2, 2),     # quiet: every core
+    (2, 0.2, 2, 2),     # daemons' crumbs leave a core ours
+    (2, 0.4, 2, 1),     # a core 40% taken is not
+    (2, 1.0, 2, 1),     # one busy process: the other core
+    (2, 2.0, 2, 1),     # both busy: never fewer than one thread
+    (8, 1.0, 4, 4),     # never more than the count it was given
+    (8, 3.0, 8, 5),
+])
+def test_threads_for_leaves_the_cores_others_use(cores: int, others: float, most: int,
+                                                 expected: int) -> None:
+    assert threads_for(cores, others, most) == expected
+
+
+def fake_reads(monkeypatch: pytest.MonkeyPatch, threads: CpuThreads,
+               reads: list[CoreTimes]) -> None:
+    queue = iter(reads)
+    monkeypatch.setattr(threads, "_read", lambda: next(queue))
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: 1e9)  # always due for a read
+
+
+def test_adjust_subtracts_what_this_process_used(monkeypatch: pytest.MonkeyPatch,
+                                                 restore_threads: None) -> None:
+    torch.set_num_threads(2)
+    threads = CpuThreads(torch.device("cpu"))
+    if not threads.enabled:
+        pytest.skip("needs /proc/stat")
+    threads.cpus = {0, 1}
+    threads.last = CoreTimes(wall=0.0, busy=0.0, ours=0.0)
+    fake_reads(monkeypatch, threads, [
+        CoreTimes(wall=1.0, busy=2.0, ours=1.9),   # both cores busy, nearly all of it ours
+        CoreTimes(wall=2.0, busy=4.0, ours=2.9),   # another process took a core
+        CoreTimes(wall=3.0, busy=5.0, ours=3.9),   # ... and left it
+    ])
+    threads.adjust()
+    assert torch.get_num_threads() == 2
+    threads.adjust()
+    assert torch.get_num_threads() == 1
+    threads.adjust()
+    assert torch.get_num_threads() == 2
+
+
+def test_adjust_is_off_on_one_thread_or_off_a_cpu(restore_threads: None) -> None:
+    torch.set_num_threads(1)
+    assert not CpuThreads(torch.device("cpu")).enabled
+    torch.set_num_threads(2)
+    assert not CpuThreads(torch.device("meta")).enabled
+
+
+@pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs /proc/stat and two cores")
+def test_a_busy_process_on_one_of_two_cores_takes_a_thread_away(restore_threads: None) -> None:
+    """Real cores: pinned to two of them, with a busy process pinned to one, then gone."""
+    affinity = os.sched_getaffinity(0)
+    two = set(sorted(affinity)[:2])
+    os.sched_setaffinity(0, two)
+    try:
+        torch.set_num_threads(2)
+        threads = CpuThreads(torch.device("cpu"))
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            os.sched_setaffinity(busy.pid, {min(two)})
+            assert wait_for_threads(threads, 1)
+        finally:
+            busy.kill()
+            busy.wait()
+        assert wait_for_threads(threads, 2)
+    finally:
+        os.sched_setaffinity(0, affinity)
+
+
+def wait_for_threads(threads: CpuThreads, expected: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        time.sleep(cpu_threads.INTERVAL_S)
+        threads.adjust()
+        if torch.get_num_threads() == expected:
+            return True
+    return False
+
+
+def test_busy_seconds_include_this_process(restore_threads: None) -> None:
+    """What this process runs is counted busy on its cores (so subtracting it is right)."""
+    if not cpu_threads.PROC_STAT.is_file():
+        pytest.skip("needs /proc/stat")
+    cpus = os.sched_getaffinity(0)
+    before_busy, before_ours = busy_seconds(cpu_threads.PROC_STAT.read_text(), cpus), sum(
+        os.times()[:2])
+    end = time.process_time() + 0.5
+    while time.process_time() < end:
+        pass
+    busy = busy_seconds(cpu_threads.PROC_STAT.read_text(), cpus) - before_busy
+    ours = sum(os.times()[:2]) - before_ours
+    assert ours >= 0.45
+    assert busy >= ours - 0.05  # a tick or so of rounding
+
+
+def test_the_runner_adjusts_before_every_step(monkeypatch: pytest.MonkeyPatch, qwen3_dir: str,
+                                              restore_threads: None) -> None:
+    from nanoqwen import LLM, SamplingParams
+
+    calls = []
+    monkeypatch.setattr(CpuThreads, "adjust", lambda self: calls.append(self))
+    llm = LLM(qwen3_dir, device="cpu")
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(calls) >= 5  # a prefill and four decodes, at least
+    assert all(call is llm.engine.runner.cpu_threads for call in calls)
