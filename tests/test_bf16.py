@@ -87,7 +87,7 @@ def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features
 
 
 @needs_packing
-def test_packing_leaves_greedy_tokens_and_the_tied_embedding_unchanged(
+def test_packing_leaves_greedy_tokens_unchanged_and_gives_a_tied_lm_head_its_own_copy(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engines = []
@@ -98,8 +98,9 @@ def test_packing_leaves_greedy_tokens_and_the_tied_embedding_unchanged(
     assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
     assert not plain.model.layers[0].mlp.down_proj.weight.is_mkldnn
     assert not packed.model.embed_tokens.weight.is_mkldnn  # the lookup keeps its plain rows
-    tied = packed.lm_head.weight is packed.model.embed_tokens.weight
-    assert packed.lm_head.weight.is_mkldnn != tied  # a shared weight stays plain, held once
+    assert packed.lm_head.weight.is_mkldnn
+    assert plain.config.tie_word_embeddings == (plain.lm_head.weight is plain.model.embed_tokens.weight)
+    assert torch.equal(packed.lm_head.weight.to_dense(), plain.lm_head.weight)  # same bits
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS[:5], seed=7)
     tokens = []
     for engine in engines:
