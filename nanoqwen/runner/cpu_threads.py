@@ -21,6 +21,7 @@ count, so the choice does not flip with its own thread count.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ INTERVAL_S = 0.5
 # A core counts as ours when others use at most this much of it.
 FREE_ENOUGH = 0.75
 PROC_STAT = Path("/proc/stat")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class CpuThreads:
         self.last = now
         threads = threads_for(len(self.cpus), max(0.0, others), self.most)
         if threads != torch.get_num_threads():
+            logger.info("running on %d CPU threads: other processes use %.1f of %d cores",
+                        threads, others, len(self.cpus))
             torch.set_num_threads(threads)
 
     def _read(self) -> CoreTimes:
