@@ -58,8 +58,13 @@ def fake_reads(monkeypatch: pytest.MonkeyPatch, threads: CpuThreads,
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: 1e9)  # always due for a read
 
 
-def test_adjust_subtracts_what_this_process_used(monkeypatch: pytest.MonkeyPatch,
-                                                 restore_threads: None) -> None:
+def threads_in_a_step(threads: CpuThreads) -> int:
+    with threads.step():
+        return torch.get_num_threads()
+
+
+def test_a_step_leaves_the_cores_others_used_and_gives_the_count_back(
+        monkeypatch: pytest.MonkeyPatch, restore_threads: None) -> None:
     torch.set_num_threads(2)
     threads = CpuThreads(torch.device("cpu"))
     if not threads.enabled:
@@ -71,19 +76,31 @@ def test_adjust_subtracts_what_this_process_used(monkeypatch: pytest.MonkeyPatch
         CoreTimes(wall=2.0, busy=4.0, ours=2.9),   # another process took a core
         CoreTimes(wall=3.0, busy=5.0, ours=3.9),   # ... and left it
     ])
-    threads.adjust()
-    assert torch.get_num_threads() == 2
-    threads.adjust()
-    assert torch.get_num_threads() == 1
-    threads.adjust()
-    assert torch.get_num_threads() == 2
+    assert threads_in_a_step(threads) == 2
+    assert threads_in_a_step(threads) == 1
+    assert torch.get_num_threads() == 2  # outside the step, torch's count as it was
+    assert threads_in_a_step(threads) == 2
 
 
-def test_adjust_is_off_on_one_thread_or_off_a_cpu(restore_threads: None) -> None:
+def test_torch_thread_count_is_the_most_a_step_uses(monkeypatch: pytest.MonkeyPatch,
+                                                    restore_threads: None) -> None:
+    threads = CpuThreads(torch.device("cpu"))
+    if not threads.enabled:
+        pytest.skip("needs /proc/stat")
+    threads.cpus = set(range(8))
+    threads.last = CoreTimes(wall=0.0, busy=0.0, ours=0.0)
+    fake_reads(monkeypatch, threads, [CoreTimes(wall=1.0, busy=0.0, ours=0.0)])  # all idle
+    torch.set_num_threads(3)
+    assert threads_in_a_step(threads) == 3
     torch.set_num_threads(1)
-    assert not CpuThreads(torch.device("cpu")).enabled
+    assert threads_in_a_step(threads) == 1  # one thread: nothing to share, nothing read
+
+
+def test_a_step_off_a_cpu_keeps_torch_thread_count(restore_threads: None) -> None:
     torch.set_num_threads(2)
-    assert not CpuThreads(torch.device("meta")).enabled
+    threads = CpuThreads(torch.device("meta"))
+    assert not threads.enabled
+    assert threads_in_a_step(threads) == 2
 
 
 @pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
@@ -112,8 +129,7 @@ def wait_for_threads(threads: CpuThreads, expected: int, within_s: float = 10.0)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         time.sleep(cpu_threads.INTERVAL_S)
-        threads.adjust()
-        if torch.get_num_threads() == expected:
+        if threads_in_a_step(threads) == expected:
             return True
     return False
 
@@ -134,13 +150,21 @@ def test_busy_seconds_include_this_process(restore_threads: None) -> None:
     assert busy >= ours - 0.05  # a tick or so of rounding
 
 
-def test_the_runner_adjusts_before_every_step(monkeypatch: pytest.MonkeyPatch, qwen3_dir: str,
-                                              restore_threads: None) -> None:
+def test_every_forward_runs_in_a_step(monkeypatch: pytest.MonkeyPatch, qwen3_dir: str,
+                                      restore_threads: None) -> None:
     from nanoqwen import LLM, SamplingParams
 
-    calls = []
-    monkeypatch.setattr(CpuThreads, "adjust", lambda self: calls.append(self))
+    torch.set_num_threads(2)
+    seen = []
+    original = CpuThreads.step
+
+    def step(self: CpuThreads):  # noqa: ANN202 (a context manager, as the original)
+        seen.append(self)
+        return original(self)
+
+    monkeypatch.setattr(CpuThreads, "step", step)
     llm = LLM(qwen3_dir, device="cpu")
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    assert len(calls) >= 5  # a prefill and four decodes, at least
-    assert all(call is llm.engine.runner.cpu_threads for call in calls)
+    assert len(seen) >= 5  # a prefill and four decodes, at least
+    assert all(threads is llm.engine.runner.cpu_threads for threads in seen)
+    assert torch.get_num_threads() == 2

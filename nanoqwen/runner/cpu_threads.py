@@ -12,10 +12,10 @@ spinning vs 180 ms sleeping; beside one busy process, 1,140 ms spinning on 2 thr
 227 ms sleeping on 2, 220 ms on 1 thread.
 
 So nanoqwen spins briefly (`GOMP_SPINCOUNT`, set in `nanoqwen/__init__.py` before torch
-loads OpenMP) and runs on as many threads as there are cores free: `CpuThreads.adjust`,
-called before each step, reads at most twice a second how busy this process's cores were
-(`/proc/stat`) less what this process used (`os.times`), and sets torch's thread count to
-the cores left, between 1 and the count it was given. What this process uses itself does not
+loads OpenMP) and runs each step on as many threads as there are cores free:
+`CpuThreads.step` reads at most twice a second how busy this process's cores were
+(`/proc/stat`) less what this process used (`os.times`), and runs the step on the cores
+left, between 1 and torch's thread count. What this process uses itself does not
 count, so the choice does not flip with its own thread count.
 """
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,30 +70,47 @@ def threads_for(cores: int, others: float, most: int) -> int:
 
 
 class CpuThreads:
-    """Sets torch's CPU thread count to the cores other processes leave free (see above).
+    """Runs each step on the cores other processes leave free (see above), then gives
+    torch's thread count back as it found it: the count torch is set to is the most a step
+    may use, and nothing outside the step sees a change.
 
-    It must be called from the thread that runs the model: OpenMP's thread count is a
+    `step()` must be entered on the thread that runs the model: OpenMP's thread count is a
     per-thread setting.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.most = torch.get_num_threads()
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self.enabled = device.type == "cpu" and self.most > 1 and PROC_STAT.is_file()
+        self.enabled = device.type == "cpu" and PROC_STAT.is_file()
         self.last = self._read() if self.enabled else None
+        self.others = 0.0  # cores other processes used, as last read
+        self.threads = torch.get_num_threads()  # what the last step ran on, for the log
 
-    def adjust(self) -> None:
-        if not self.enabled or time.monotonic() - self.last.wall < INTERVAL_S:
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        given = torch.get_num_threads()
+        if not self.enabled or given == 1:
+            yield
+            return
+        self._read_share()
+        threads = threads_for(len(self.cpus), self.others, given)
+        if threads != self.threads:
+            logger.info("running on %d CPU threads: other processes use %.1f of %d cores",
+                        threads, self.others, len(self.cpus))
+            self.threads = threads
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(given)
+
+    def _read_share(self) -> None:
+        """Update `others`, at most every `INTERVAL_S`."""
+        if time.monotonic() - self.last.wall < INTERVAL_S:
             return
         now = self._read()
         elapsed = now.wall - self.last.wall
-        others = ((now.busy - self.last.busy) - (now.ours - self.last.ours)) / elapsed
+        self.others = max(0.0, ((now.busy - self.last.busy) - (now.ours - self.last.ours)) / elapsed)
         self.last = now
-        threads = threads_for(len(self.cpus), max(0.0, others), self.most)
-        if threads != torch.get_num_threads():
-            logger.info("running on %d CPU threads: other processes use %.1f of %d cores",
-                        threads, others, len(self.cpus))
-            torch.set_num_threads(threads)
 
     def _read(self) -> CoreTimes:
         process = os.times()

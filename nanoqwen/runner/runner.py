@@ -139,8 +139,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits for the sampled rows; the other ranks, if any, run the same step."""
         workers = self.ranks.workers
-        self.cpu_threads.adjust()
-        with on_device(self.device):
+        with on_device(self.device), self.cpu_threads.step():
             if workers is None:
                 return self.pipeline.forward(inputs)
             with workers.step():
@@ -155,8 +154,7 @@ class ModelRunner:
 
     def forward_from_wire(self, step: WireStep) -> None:
         """Another rank's part of a step rank 0 broadcast."""
-        self.cpu_threads.adjust()
-        with on_device(self.device):
+        with on_device(self.device), self.cpu_threads.step():
             self.pipeline.forward(StepInputs.from_wire(step).to(self.device))
 
     # ----------------------------------------------------------------- the KV cache
