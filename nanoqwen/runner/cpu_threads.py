@@ -79,8 +79,9 @@ class CpuThreads:
     """
 
     def __init__(self, device: torch.device) -> None:
+        # Linux's: the cores this process may run on, and how busy each was.
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        self.enabled = device.type == "cpu" and PROC_STAT.is_file()
+        self.enabled = device.type == "cpu" and bool(self.cpus) and PROC_STAT.is_file()
         self.last = self._read() if self.enabled else None
         self.others = 0.0  # cores other processes used, as last read
         self.threads = torch.get_num_threads()  # what the last step ran on, for the log
@@ -109,7 +110,8 @@ class CpuThreads:
             return
         now = self._read()
         elapsed = now.wall - self.last.wall
-        self.others = max(0.0, ((now.busy - self.last.busy) - (now.ours - self.last.ours)) / elapsed)
+        others_busy = (now.busy - self.last.busy) - (now.ours - self.last.ours)
+        self.others = max(0.0, others_busy / elapsed)
         self.last = now
 
     def _read(self) -> CoreTimes:
