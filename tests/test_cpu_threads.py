@@ -51,11 +51,18 @@ def test_threads_for_leaves_the_cores_others_use(cores: int, others: float, most
     assert threads_for(cores, others, most) == expected
 
 
-def fake_reads(monkeypatch: pytest.MonkeyPatch, threads: CpuThreads,
-               reads: list[CoreTimes]) -> None:
+def with_fake_reads(monkeypatch: pytest.MonkeyPatch, cpus: set[int],
+                    reads: list[CoreTimes]) -> CpuThreads:
+    """A `CpuThreads` over `cpus` whose reads of the cores are `reads`, from a first one
+    of zeros. Their clock is far behind the real one, so every step is due for a read."""
+    threads = CpuThreads(torch.device("cpu"))
+    if not threads.enabled:
+        pytest.skip("needs /proc/stat")
+    threads.cpus = cpus
+    threads.last = CoreTimes(wall=0.0, busy=0.0, ours=0.0)
     queue = iter(reads)
     monkeypatch.setattr(threads, "_read", lambda: next(queue))
-    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: 1e9)  # always due for a read
+    return threads
 
 
 def threads_in_a_step(threads: CpuThreads) -> int:
@@ -66,12 +73,7 @@ def threads_in_a_step(threads: CpuThreads) -> int:
 def test_a_step_leaves_the_cores_others_used_and_gives_the_count_back(
         monkeypatch: pytest.MonkeyPatch, restore_threads: None) -> None:
     torch.set_num_threads(2)
-    threads = CpuThreads(torch.device("cpu"))
-    if not threads.enabled:
-        pytest.skip("needs /proc/stat")
-    threads.cpus = {0, 1}
-    threads.last = CoreTimes(wall=0.0, busy=0.0, ours=0.0)
-    fake_reads(monkeypatch, threads, [
+    threads = with_fake_reads(monkeypatch, {0, 1}, [
         CoreTimes(wall=1.0, busy=2.0, ours=1.9),   # both cores busy, nearly all of it ours
         CoreTimes(wall=2.0, busy=4.0, ours=2.9),   # another process took a core
         CoreTimes(wall=3.0, busy=5.0, ours=3.9),   # ... and left it
@@ -84,12 +86,8 @@ def test_a_step_leaves_the_cores_others_used_and_gives_the_count_back(
 
 def test_torch_thread_count_is_the_most_a_step_uses(monkeypatch: pytest.MonkeyPatch,
                                                     restore_threads: None) -> None:
-    threads = CpuThreads(torch.device("cpu"))
-    if not threads.enabled:
-        pytest.skip("needs /proc/stat")
-    threads.cpus = set(range(8))
-    threads.last = CoreTimes(wall=0.0, busy=0.0, ours=0.0)
-    fake_reads(monkeypatch, threads, [CoreTimes(wall=1.0, busy=0.0, ours=0.0)])  # all idle
+    threads = with_fake_reads(monkeypatch, set(range(8)),
+                              [CoreTimes(wall=1.0, busy=0.0, ours=0.0)])  # all idle
     torch.set_num_threads(3)
     assert threads_in_a_step(threads) == 3
     torch.set_num_threads(1)
@@ -134,7 +132,7 @@ def wait_for_threads(threads: CpuThreads, expected: int, within_s: float = 10.0)
     return False
 
 
-def test_busy_seconds_include_this_process(restore_threads: None) -> None:
+def test_busy_seconds_include_this_process() -> None:
     """What this process runs is counted busy on its cores (so subtracting it is right)."""
     if not cpu_threads.PROC_STAT.is_file():
         pytest.skip("needs /proc/stat")
