@@ -300,6 +300,7 @@ class EngineRun:
     prefix_hit_tokens: int
     preemptions: dict[str, int]  # by cause
     request_steps: int  # (request, step) pairs that gave the request tokens
+    reduced_thread_steps: int  # steps run on fewer CPU threads, beside busy processes
     speculation: SpeculationStats | None  # None: the engine did not speculate
     per_step: dict[str, list[float]]  # one list per figure, one entry per step
     weight_bytes: int
@@ -416,6 +417,7 @@ def run_engine(
             for cause, count in after["requests"]["preemptions_by_cause"].items()
         },
         request_steps=request_steps,
+        reduced_thread_steps=grown(before, after, "cpu", "reduced_steps"),
         speculation=SpeculationStats(*(
             grown(before, after, "speculative", key)
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
@@ -561,6 +563,7 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "preemptions": sum(run.preemptions.values()),
         "preemptions_by_cause": run.preemptions,
         "steps": run.steps,
+        "reduced_thread_steps": run.reduced_thread_steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
         **({"speculation": run.speculation.as_dict()} if run.speculation else {}),
         "weight_bytes": run.weight_bytes,

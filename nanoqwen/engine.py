@@ -342,6 +342,7 @@ class LLMEngine:
             "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
             **prefix_cache_group(self.cache),
             **self.proposer.stats_group(),
+            **self.runner.cpu_threads.stats_group(),
         }
 
     def reset_prefix_cache(self) -> int:

@@ -138,6 +138,7 @@ def engine_families(stats: EngineStats) -> list[Metric]:
         preemptions,
         *group_families(stats, "prefix_cache", PREFIX_CACHE_FAMILIES, "Prefix cache: "),
         *group_families(stats, "speculative", SPECULATION_FAMILIES, "Speculative decoding: "),
+        *group_families(stats, "cpu", CPU_FAMILIES, "CPU: "),
     ]
 
 
@@ -173,4 +174,13 @@ SPECULATION_FAMILIES: tuple[FamilySpec, ...] = (
     (GaugeMetricFamily, "nanoqwen_spec_mean_accepted_length",
      "tokens per verification (accepted drafts plus the target's own), so far.",
      "mean_accepted_length"),
+)
+CPU_FAMILIES: tuple[FamilySpec, ...] = (
+    (GaugeMetricFamily, "nanoqwen_cpu_threads", "threads the last step ran on.", "threads"),
+    (GaugeMetricFamily, "nanoqwen_cpu_others_cores",
+     "cores' worth of time others (other processes, this one's handler threads) took.",
+     "others_cores"),
+    (CounterMetricFamily, "nanoqwen_cpu_reduced_steps",
+     "steps run on fewer threads than torch's count, to leave other processes a core.",
+     "reduced_steps"),
 )

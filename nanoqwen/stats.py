@@ -29,6 +29,10 @@ marks a value of this moment.
 | | `hit_tokens` | of them, those whose K/V was reused |
 | | `hit_rate` | `hit_tokens / query_tokens` (0 before any lookup) |
 | | `evicted_pages` | cached pages evicted to make room |
+| `cpu` | `cores` | cores this process may run on (on a CPU only; rank 0's, with split ranks) |
+| | `threads` | threads the last step ran on (`runner/cpu_threads.py`) |
+| | `others_cores` | cores' worth of time others took, as last read: other processes and this one's other Python threads (a server's handlers) |
+| | `reduced_steps` | steps run on fewer threads than torch's count, to leave others a core |
 """
 
 from __future__ import annotations

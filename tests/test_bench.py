@@ -532,7 +532,7 @@ def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir:
 def test_agreement_counts_tokens_before_each_first_difference() -> None:
     def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
         return bench.EngineRun(
-            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, None, per_step={}, weight_bytes=0, read_bytes_per_token=0,
+            [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, 0, None, per_step={}, weight_bytes=0, read_bytes_per_token=0,
             outputs=outputs,
         )
 
@@ -608,5 +608,6 @@ def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path
     spec = workload(num_seqs=2)
     result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
     assert result["settings"]["background_load"] == 1
+    assert 0 <= result["nanoqwen"]["reduced_thread_steps"] <= result["nanoqwen"]["steps"]
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if p.info["cmdline"] and "while True: pass" in " ".join(p.info["cmdline"])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from nanoqwen.runner import cpu_threads
-from nanoqwen.runner.cpu_threads import CoreTimes, CpuThreads, busy_seconds, threads_for
+from nanoqwen.runner.cpu_threads import (
+    CoreTimes,
+    CpuThreads,
+    busy_seconds,
+    thread_seconds,
+    threads_for,
+)
 
 STAT = """cpu  900 0 90 9000 9 0 0 0 0 0
 cpu0 100 5 10 1000 7 1 2 3 0 0
@@ -81,7 +88,13 @@ def test_a_step_leaves_the_cores_others_used_and_gives_the_count_back(
     assert threads_in_a_step(threads) == 2
     assert threads_in_a_step(threads) == 1
     assert torch.get_num_threads() == 2  # outside the step, torch's count as it was
+    assert threads.stats_group()["cpu"] == {
+        "cores": 2, "threads": 1, "others_cores": pytest.approx(1.0),
+        "reduced_steps": 1,
+    }
     assert threads_in_a_step(threads) == 2
+    assert threads.stats_group()["cpu"]["threads"] == 2
+    assert threads.stats_group()["cpu"]["reduced_steps"] == 1  # a count, not a state
 
 
 def test_torch_thread_count_is_the_most_a_step_uses(monkeypatch: pytest.MonkeyPatch,
@@ -99,6 +112,7 @@ def test_a_step_off_a_cpu_keeps_torch_thread_count(restore_threads: None) -> Non
     threads = CpuThreads(torch.device("meta"))
     assert not threads.enabled
     assert threads_in_a_step(threads) == 2
+    assert threads.stats_group() == {}  # no `cpu` group in the engine's stats
 
 
 @pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
@@ -115,12 +129,57 @@ def test_a_busy_process_on_one_of_two_cores_takes_a_thread_away(restore_threads:
         try:
             os.sched_setaffinity(busy.pid, {min(two)})
             assert wait_for_threads(threads, 1)
+            assert threads.stats_group()["cpu"]["reduced_steps"] >= 1
         finally:
             busy.kill()
             busy.wait()
         assert wait_for_threads(threads, 2)
     finally:
         os.sched_setaffinity(0, affinity)
+
+
+@pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs /proc/stat and two cores")
+def test_a_busy_thread_of_this_process_takes_a_thread_away(restore_threads: None) -> None:
+    """A server's handler thread that keeps a core busy (parsing, tokenizing) counts as
+    another process would; the thread that runs the steps does not."""
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(sorted(affinity)[:2]))
+    stop = threading.Event()
+    try:
+        torch.set_num_threads(2)
+        threads = CpuThreads(torch.device("cpu"))
+        assert wait_for_threads(threads, 2)  # this thread's own waiting does not count
+        handler = threading.Thread(target=spin_until, args=(stop,))
+        handler.start()
+        try:
+            assert wait_for_threads(threads, 1)
+        finally:
+            stop.set()
+            handler.join()
+        assert wait_for_threads(threads, 2)
+    finally:
+        os.sched_setaffinity(0, affinity)
+
+
+def spin_until(stop: threading.Event) -> None:
+    """Keep one core busy, as a handler parsing a large request would."""
+    while not stop.is_set():
+        pass
+
+
+def test_thread_seconds_reads_this_thread_and_ends_with_it() -> None:
+    if not cpu_threads.PROC_STAT.is_file():
+        pytest.skip("needs /proc")
+    end = time.thread_time() + 0.3
+    while time.thread_time() < end:
+        pass
+    seconds = thread_seconds(threading.get_native_id())
+    assert seconds is not None and seconds == pytest.approx(time.thread_time(), abs=0.05)
+    finished = threading.Thread(target=lambda: None)
+    finished.start()
+    finished.join()
+    assert thread_seconds(finished.native_id) is None
 
 
 def wait_for_threads(threads: CpuThreads, expected: int, within_s: float = 10.0) -> bool:
@@ -166,3 +225,5 @@ def test_every_forward_runs_in_a_step(monkeypatch: pytest.MonkeyPatch, qwen3_dir
     assert len(seen) >= 5  # a prefill and four decodes, at least
     assert all(threads is llm.engine.runner.cpu_threads for threads in seen)
     assert torch.get_num_threads() == 2
+    if seen[0].enabled:  # the engine reports its runner's choices
+        assert llm.engine.stats()["cpu"] == seen[0].stats_group()["cpu"]

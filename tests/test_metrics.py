@@ -18,6 +18,7 @@ ENGINE_STATS: dict[str, Any] = {
         "proposed_tokens": 40, "accepted_tokens": 30, "verifications": 10,
         "acceptance_rate": 0.75, "mean_accepted_length": 4.0,
     },
+    "cpu": {"cores": 2, "threads": 1, "others_cores": 0.9, "reduced_steps": 17},
 }
 
 
@@ -53,14 +54,19 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_spec_verifications_total", ())] == 10
     assert page[("nanoqwen_spec_acceptance_rate", ())] == 0.75
     assert page[("nanoqwen_spec_mean_accepted_length", ())] == 4.0
+    assert page[("nanoqwen_cpu_threads", ())] == 1
+    assert page[("nanoqwen_cpu_others_cores", ())] == 0.9
+    assert page[("nanoqwen_cpu_reduced_steps_total", ())] == 17
 
 
 def test_features_that_are_off_have_no_families() -> None:
-    """An engine without prefix cache or speculation reports no such group: no zeros."""
+    """An engine without prefix cache or speculation (or off a CPU) reports no such group:
+    no zeros."""
     stats = {group: ENGINE_STATS[group] for group in ("kv_cache", "requests", "tokens")}
     names = {name for name, _ in samples(ServerMetrics(lambda: stats))}
     assert "nanoqwen_requests_running" in names
-    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec")) for name in names)
+    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu"))
+                   for name in names)
 
 
 def test_engine_stats_are_read_at_every_scrape() -> None:

@@ -106,6 +106,8 @@ def _summary_table(
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
     table.add_row("steps", str(engine["steps"]))
+    if engine["reduced_thread_steps"]:
+        table.add_row("  on fewer CPU threads (others busy)", str(engine["reduced_thread_steps"]))
     return table
 
 

@@ -14,15 +14,18 @@ spinning vs 180 ms sleeping; beside one busy process, 1,140 ms spinning on 2 thr
 So nanoqwen spins briefly (`GOMP_SPINCOUNT`, set in `nanoqwen/__init__.py` before torch
 loads OpenMP) and runs each step on as many threads as there are cores free:
 `CpuThreads.step` reads at most twice a second how busy this process's cores were
-(`/proc/stat`) less what this process used (`os.times`), and runs the step on the cores
-left, between 1 and torch's thread count. What this process uses itself does not
-count, so the choice does not flip with its own thread count.
+(`/proc/stat`) less what the steps themselves used, and runs the step on the cores left,
+between 1 and torch's thread count. The steps' own use is this process's time
+(`os.times`) less that of its other Python threads (`/proc/self/task`): a server's request
+handlers, which parse and tokenize, take cores from a step as another process would, while
+the step's OpenMP threads do not count, so the choice does not flip with its own count.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CoreTimes:
-    """Seconds the cores we may run on were busy (anyone) and this process ran, at `wall`."""
+    """Seconds the cores we may run on were busy (anyone) and the steps ran, at `wall`."""
 
     wall: float
     busy: float
@@ -63,8 +66,20 @@ def busy_seconds(stat: str, cpus: set[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def thread_seconds(native_id: int) -> float | None:
+    """CPU seconds one thread of this process has run (`/proc/self/task/<id>/stat`'s user
+    and system time), or None once it has ended."""
+    try:
+        stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (name)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def threads_for(cores: int, others: float, most: int) -> int:
-    """Threads for `cores` cores of which other processes use `others` (in cores)."""
+    """Threads for `cores` cores of which others (other processes, this one's other Python
+    threads) use `others` (in cores)."""
     free_cores = int(cores - others + (1 - FREE_ENOUGH))
     return max(1, min(most, free_cores))
 
@@ -74,38 +89,68 @@ class CpuThreads:
     torch's thread count back as it found it: the count torch is set to is the most a step
     may use, and nothing outside the step sees a change.
 
-    `step()` must be entered on the thread that runs the model: OpenMP's thread count is a
-    per-thread setting.
+    `step()` must be entered on the thread that runs the model, always the same one:
+    OpenMP's thread count is a per-thread setting, and every other Python thread counts as
+    someone else's.
     """
 
     def __init__(self, device: torch.device) -> None:
         # Linux's: the cores this process may run on, and how busy each was.
         self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self.enabled = device.type == "cpu" and bool(self.cpus) and PROC_STAT.is_file()
-        self.last = self._read() if self.enabled else None
-        self.others = 0.0  # cores other processes used, as last read
-        self.threads = torch.get_num_threads()  # what the last step ran on, for the log
+        self.last: CoreTimes | None = None  # first read in the first step, on its thread
+        self.others = 0.0  # cores' worth others used, as last read
+        # This process's other Python threads: CPU seconds by native id as last read, and
+        # what they ran in all (see `_side_seconds`).
+        self.side_threads: dict[int, float] = {}
+        self.side_total = 0.0
+        self.threads = torch.get_num_threads()  # what the last step ran on
+        self.reduced_steps = 0  # steps run on fewer threads than torch's count
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        given = torch.get_num_threads()
-        if not self.enabled or given == 1:
+        if not self.enabled:
             yield
             return
-        self._read_share()
-        threads = threads_for(len(self.cpus), self.others, given)
-        if threads != self.threads:
-            logger.info("running on %d CPU threads: other processes use %.1f of %d cores",
-                        threads, self.others, len(self.cpus))
-            self.threads = threads
+        given = torch.get_num_threads()
+        threads = self._choose(given)
+        self.threads = threads
+        self.reduced_steps += threads < given
         torch.set_num_threads(threads)
         try:
             yield
         finally:
             torch.set_num_threads(given)
 
+    def stats_group(self) -> dict[str, dict[str, float]]:
+        """The `cpu` group of `LLMEngine.stats()` (keys in `nanoqwen/stats.py`); none off a
+        CPU, where nothing is chosen."""
+        if not self.enabled:
+            return {}
+        return {
+            "cpu": {
+                "cores": len(self.cpus),
+                "threads": self.threads,
+                "others_cores": self.others,
+                "reduced_steps": self.reduced_steps,
+            }
+        }
+
+    def _choose(self, given: int) -> int:
+        if given == 1:  # nothing to share: no read
+            return 1
+        self._read_share()
+        threads = threads_for(len(self.cpus), self.others, given)
+        if threads != self.threads:
+            logger.info("running on %d CPU threads: others use %.1f of %d cores",
+                        threads, self.others, len(self.cpus))
+        return threads
+
     def _read_share(self) -> None:
         """Update `others`, at most every `INTERVAL_S`."""
+        if self.last is None:
+            self.last = self._read()
+            return
         if time.monotonic() - self.last.wall < INTERVAL_S:
             return
         now = self._read()
@@ -118,5 +163,22 @@ class CpuThreads:
         process = os.times()
         return CoreTimes(
             time.monotonic(), busy_seconds(PROC_STAT.read_text(), self.cpus),
-            process.user + process.system,
+            process.user + process.system - self._side_seconds(),
         )
+
+    def _side_seconds(self) -> float:
+        """CPU seconds this process's Python threads other than the caller have run since
+        the first read: what a server's handlers took from the cores. A thread's last
+        moments before it ends are missed (counted as the steps')."""
+        caller = threading.get_native_id()
+        now = {}
+        for thread in threading.enumerate():
+            if thread.native_id is not None and thread.native_id != caller:
+                seconds = thread_seconds(thread.native_id)
+                if seconds is not None:
+                    now[thread.native_id] = seconds
+        # A thread first seen now started since the last read: all its time is new.
+        self.side_total += sum(seconds - self.side_threads.get(native_id, 0.0)
+                               for native_id, seconds in now.items())
+        self.side_threads = now
+        return self.side_total
