@@ -17,6 +17,7 @@ from nanoqwen.runner.cpu_threads import (
     CoreTimes,
     CpuThreads,
     busy_seconds,
+    task_seconds,
     thread_seconds,
     threads_for,
 )
@@ -166,6 +167,14 @@ def spin_until(stop: threading.Event) -> None:
     """Keep one core busy, as a handler parsing a large request would."""
     while not stop.is_set():
         pass
+
+
+def test_task_seconds_add_user_and_system_time_after_any_thread_name() -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = "S 1 2 3 4 5 6 7 8 9 10 300 45 0 0 20 0 1 0"  # state, ..., utime 300, stime 45
+    assert task_seconds(f"42 (python) {fields}".encode()) == pytest.approx(345 / tick)
+    assert task_seconds(f"42 (a) b ) c) {fields}".encode()) == pytest.approx(345 / tick)
+    assert task_seconds(b"") is None
 
 
 def test_thread_seconds_reads_this_thread_and_ends_with_it() -> None:
