@@ -592,6 +592,21 @@ def test_peer_agreement_counts_tokens_before_each_first_difference() -> None:
     assert token_agreement([[1, 2]], [[1]]) == 1 / 2  # a peer that stopped early
 
 
+def test_a_peer_runs_with_its_own_defaults_not_those_nanoqwen_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import nanoqwen
+    from tools.bench_peers import peer_environment
+
+    monkeypatch.setattr(nanoqwen, "SET_ON_IMPORT", {"GOMP_SPINCOUNT": "100000"})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "100000")
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's own choice
+    env = peer_environment(threads=3)
+    assert "GOMP_SPINCOUNT" not in env
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["OMP_NUM_THREADS"] == "3"
+    assert env["PATH"] == os.environ["PATH"]
+
+
 def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
     from tools.bench_floor import bytes_read_per_token
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nanoqwen
+
 Metrics = dict[str, Any]
 RUNNERS = Path(__file__).resolve().parent / "peers"
 
@@ -82,15 +84,22 @@ def run_peer(
         "prompts": [prompt for prompt, _ in requests],
         "max_tokens": [output_len for _, output_len in requests],
     }
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     finished = subprocess.run(
         [python, str(RUNNERS / PEERS[name].runner)], input=json.dumps(job), text=True,
-        capture_output=True, env={**os.environ, **env},
+        capture_output=True, env=peer_environment(threads),
     )
     if finished.returncode != 0:
         tail = "\n".join(finished.stderr.strip().splitlines()[-15:])
         raise PeerUnavailable(f"{PEERS[name].label} failed:\n{tail}")
     return json.loads(finished.stdout)
+
+
+def peer_environment(threads: int) -> dict[str, str]:
+    """The environment bench was started in, without what `import nanoqwen` set for itself
+    (a peer runs with its own defaults, as its users run it), on `threads` threads."""
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in nanoqwen.SET_ON_IMPORT}
+    return {**inherited, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
 
 def token_agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> float:
