@@ -181,6 +181,6 @@ CPU_FAMILIES: tuple[FamilySpec, ...] = (
      "cores' worth of time others (other processes, this one's handler threads) took.",
      "others_cores"),
     (CounterMetricFamily, "nanoqwen_cpu_reduced_steps",
-     "steps run on fewer threads than torch's count, to leave other processes a core.",
+     "steps run on fewer threads than torch's count, to leave others a core.",
      "reduced_steps"),
 )

@@ -180,9 +180,9 @@ class CpuThreads:
         )
 
     def _side_seconds(self) -> float:
-        """CPU seconds this process's Python threads other than the caller have run since
-        the first read: what a server's handlers took from the cores. A thread's last
-        moments before it ends are missed (counted as the steps')."""
+        """CPU seconds this process's Python threads other than the caller have run, as a
+        running total whose growth between reads is what a server's handlers took from the
+        cores. A thread's last moments before it ends are missed (counted as the steps')."""
         caller = threading.get_native_id()
         now = {}
         for thread in threading.enumerate():
