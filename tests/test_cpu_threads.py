@@ -116,51 +116,53 @@ def test_a_step_off_a_cpu_keeps_torch_thread_count(restore_threads: None) -> Non
     assert threads.stats_group() == {}  # no `cpu` group in the engine's stats
 
 
-@pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs /proc/stat and two cores")
-def test_a_busy_process_on_one_of_two_cores_takes_a_thread_away(restore_threads: None) -> None:
-    """Real cores: pinned to two of them, with a busy process pinned to one, then gone."""
+needs_two_cores = pytest.mark.skipif(
+    not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
+    reason="needs /proc/stat and two cores",
+)
+
+
+@pytest.fixture
+def on_two_cores(restore_threads: None) -> Iterator[set[int]]:
+    """This process pinned to two of its cores, torch on 2 threads; both restored after."""
     affinity = os.sched_getaffinity(0)
     two = set(sorted(affinity)[:2])
     os.sched_setaffinity(0, two)
+    torch.set_num_threads(2)
+    yield two
+    os.sched_setaffinity(0, affinity)
+
+
+@needs_two_cores
+def test_a_busy_process_on_one_of_two_cores_takes_a_thread_away(on_two_cores: set[int]) -> None:
+    """Real cores: pinned to two of them, with a busy process pinned to one, then gone."""
+    threads = CpuThreads(torch.device("cpu"))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        torch.set_num_threads(2)
-        threads = CpuThreads(torch.device("cpu"))
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            os.sched_setaffinity(busy.pid, {min(two)})
-            assert wait_for_threads(threads, 1)
-            assert threads.stats_group()["cpu"]["reduced_steps"] >= 1
-        finally:
-            busy.kill()
-            busy.wait()
-        assert wait_for_threads(threads, 2)
+        os.sched_setaffinity(busy.pid, {min(on_two_cores)})
+        assert wait_for_threads(threads, 1)
+        assert threads.stats_group()["cpu"]["reduced_steps"] >= 1
     finally:
-        os.sched_setaffinity(0, affinity)
+        busy.kill()
+        busy.wait()
+    assert wait_for_threads(threads, 2)
 
 
-@pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs /proc/stat and two cores")
-def test_a_busy_thread_of_this_process_takes_a_thread_away(restore_threads: None) -> None:
+@needs_two_cores
+def test_a_busy_thread_of_this_process_takes_a_thread_away(on_two_cores: set[int]) -> None:
     """A server's handler thread that keeps a core busy (parsing, tokenizing) counts as
     another process would; the thread that runs the steps does not."""
-    affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, set(sorted(affinity)[:2]))
+    threads = CpuThreads(torch.device("cpu"))
+    assert wait_for_threads(threads, 2)  # this thread's own waiting does not count
     stop = threading.Event()
+    handler = threading.Thread(target=spin_until, args=(stop,))
+    handler.start()
     try:
-        torch.set_num_threads(2)
-        threads = CpuThreads(torch.device("cpu"))
-        assert wait_for_threads(threads, 2)  # this thread's own waiting does not count
-        handler = threading.Thread(target=spin_until, args=(stop,))
-        handler.start()
-        try:
-            assert wait_for_threads(threads, 1)
-        finally:
-            stop.set()
-            handler.join()
-        assert wait_for_threads(threads, 2)
+        assert wait_for_threads(threads, 1)
     finally:
-        os.sched_setaffinity(0, affinity)
+        stop.set()
+        handler.join()
+    assert wait_for_threads(threads, 2)
 
 
 def spin_until(stop: threading.Event) -> None:
