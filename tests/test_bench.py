@@ -600,10 +600,10 @@ def test_a_peer_runs_with_its_own_defaults_not_those_nanoqwen_set(
 
     monkeypatch.setattr(nanoqwen, "SET_ON_IMPORT", {"GOMP_SPINCOUNT": "100000"})
     monkeypatch.setenv("GOMP_SPINCOUNT", "100000")
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the user's own choice
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user's own choice
     env = peer_environment(threads=3)
     assert "GOMP_SPINCOUNT" not in env
-    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["OMP_NUM_THREADS"] == "3"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "3"
     assert env["PATH"] == os.environ["PATH"]
 
 
