@@ -1,4 +1,4 @@
-"""CPU threads that follow the cores other processes leave idle.
+"""CPU threads that follow the cores others (other processes, our own side threads) leave idle.
 
 On a CPU every matmul of a step is an OpenMP parallel region: the work is split between
 torch's threads, and the region ends when the last of them is done. A decode step is a
@@ -38,7 +38,7 @@ import torch
 # second of another process starting, rarely enough to cost nothing (a read takes 36 us on
 # 2 cores, and 8 us more per other Python thread; between reads, a step reads the clock).
 INTERVAL_S = 0.5
-# A core counts as free when other processes leave at least this share of it idle: on one
+# A core counts as free when others leave at least this share of it idle: on one
 # they use more of, our thread would wait for them at the end of every parallel region.
 FREE_ENOUGH = 0.75
 PROC_STAT = Path("/proc/stat")
@@ -98,7 +98,7 @@ def threads_for(cores: int, others: float, most: int) -> int:
 
 
 class CpuThreads:
-    """Runs each step on the cores other processes leave free (see above), then gives
+    """Runs each step on the cores others leave free (see above), then gives
     torch's thread count back as it found it: the count torch is set to is the most a step
     may use, and nothing outside the step sees a change.
 
