@@ -211,6 +211,26 @@ class EngineConfig:
         return self.num_speculative_tokens if self.speculative else 0
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The engine settings start-up and the runner use (`EngineConfig`'s fields)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    chunk_size: int
+    kv_storage_dtype: torch.dtype  # the dtype pages are stored in
+    quantization: str | None = None
+    attention_backend: str | None = None
+    decode_buckets: list[int] | None = None
+    enforce_eager: bool = False
+    num_pages: int | None = None
+    kv_cache_memory: float | None = None  # bytes, or (at most 1) a fraction
+    gpu_memory_utilization: float = 0.9
+
+
 def _require_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

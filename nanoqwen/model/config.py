@@ -1,8 +1,11 @@
 """The model's shape: the only facts the decoder needs about a checkpoint.
 
 `ModelConfig` is read from transformers' config object (`config.json`, or whatever a
-checkpoint format keeps instead, turned into one by `weights/`). The decoder in `qwen.py` is built from it alone;
-the transformers config rides along because its rotary-embedding helpers need it.
+checkpoint format keeps instead, turned into one by `weights/`). The decoder in `qwen.py`
+is built from it alone; the transformers config rides along because its rotary-embedding
+helpers need it. Besides the sizes it says what each decoder layer is made of, as a pair
+of *layer kinds* (`qwen.py`'s `LAYER_KINDS`): a dense Qwen2/Qwen3 layer is
+("attention", "mlp") throughout.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from nanoqwen.attention.base import AttentionShape
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+# The kinds of a dense decoder layer: its mixer (what mixes tokens) and its MLP.
+DENSE_LAYER = ("attention", "mlp")
+# Mixer kinds that keep K/V in the paged cache.
+ATTENTION_KINDS = ("attention",)
 
 
 @dataclass(frozen=True)
@@ -36,10 +43,16 @@ class ModelConfig:
     max_position_embeddings: int
     rope_type: str
     hf_config: PretrainedConfig
+    layer_kinds: tuple[tuple[str, str], ...]  # (mixer kind, MLP kind) of each layer
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache, in order."""
+        return [i for i, (mixer, _) in enumerate(self.layer_kinds) if mixer in ATTENTION_KINDS]
 
     def attention_shape(self) -> AttentionShape:
-        """The whole model's heads (one rank of a split model holds fewer)."""
-        return AttentionShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim)
+        """The whole model's K/V layers and heads (one rank of a split model holds fewer heads)."""
+        return AttentionShape(len(self.kv_layers), self.num_heads, self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> ModelConfig:
@@ -72,6 +85,7 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope_type=rope_type,
             hf_config=hf,
+            layer_kinds=(DENSE_LAYER,) * hf.num_hidden_layers,
         )
 
 

@@ -8,7 +8,8 @@ fitted to it:
 * buckets: one graph per batch size (1, 2, 4, 8, then every multiple of 8 up to
   `max_num_seqs`, at most 256); a step of B decodes is padded to the smallest bucket;
 * static buffers: each step's ids, positions, slots and page table are copied into tensors
-  that never move, shared by all buckets; the logits land in another;
+  that never move, shared by all buckets; the final hidden states land in another (the
+  lm_head runs after the replay, outside the graph);
 * padding rows are one-token requests on the scratch page (`memory/page_allocator.py`),
   never sampled;
 * the attention backend's `plan` runs before each replay, outside the graph, writing into
@@ -32,10 +33,14 @@ from collections.abc import Callable
 
 import torch
 
-from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.attention.base import (
+    PAGE_TABLE_TENSORS,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.runner.step_inputs import PAGE_TABLE_TENSORS, StepInputs
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.scheduling.scheduler import Row
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,6 @@ def can_capture(
 
 def decode_buckets(
     asked: list[int] | None,
-    enforce_eager: bool,
     max_num_seqs: int,
     device: torch.device,
     backend_class: type[AttentionBackend],
@@ -68,8 +72,6 @@ def decode_buckets(
 ) -> list[int]:
     """The batch sizes decode steps are padded to (`asked`, or the defaults where graphs
     can be captured); none means every step runs eagerly."""
-    if enforce_eager:
-        return []
     if asked is not None:
         return list(asked)
     if not can_capture(device, backend_class, rope_type):
@@ -107,12 +109,16 @@ class DecodeGraphRunner:
             slot_mapping=torch.zeros(largest, **int64),
             max_q_len=1,
             max_kv_len=0,
+            # The host copies are the step's own (`load`): flashinfer plans from them.
+            qo_indptr_host=torch.zeros(0, **int32),
+            kv_indptr_host=torch.zeros(0, **int32),
+            kv_last_page_len_host=torch.zeros(0, **int32),
         )
-        # Every row of a bucket gets logits: a graph cannot know which rows are padding.
-        # (With tensor parallelism they are this rank's slice of the vocabulary.)
+        # Every row of a bucket gets its hidden state: a graph cannot know which rows are
+        # padding.
         self.all_rows = torch.arange(largest, device=self.device)
-        self.logits = torch.zeros(
-            largest, model.lm_head.out_features, dtype=model.model.norm.weight.dtype,
+        self.hidden = torch.zeros(
+            largest, model.config.hidden_size, dtype=model.model.norm.weight.dtype,
             device=self.device,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -126,15 +132,16 @@ class DecodeGraphRunner:
                 )
 
     # ----------------------------------------------------------------- per step
-    def bucket_for(self, batch: ScheduledBatch) -> int:
-        """The bucket a decode-only batch pads to; 0 (eager) for other steps and oversized
+    def bucket_for(self, rows: list[Row]) -> int:
+        """The bucket a decode-only step pads to; 0 (eager) for other steps and oversized
         ones."""
-        if len(batch) > self.buckets[-1] or not batch.is_decode_only():
+        if len(rows) > self.buckets[-1] or any(len(row.token_ids) != 1 for row in rows):
             return 0
-        return self.buckets[bisect.bisect_left(self.buckets, len(batch))]
+        return self.buckets[bisect.bisect_left(self.buckets, len(rows))]
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits for the sampled rows, `[S, vocab]`, of a step padded to a bucket."""
+        """Final hidden states of the sampled rows, `[S, hidden]`, of a step padded to a
+        bucket."""
         metadata = self.load(inputs)
         self.backend.plan(metadata)
         graph = self.graphs.get(inputs.bucket)
@@ -142,7 +149,7 @@ class DecodeGraphRunner:
             graph.replay()
         else:
             self.run_model(metadata)
-        return self.logits[inputs.sample_rows]
+        return self.hidden[inputs.sample_rows]
 
     def load(self, inputs: StepInputs) -> AttentionMetadata:
         """Copy a step into the static buffers; return its page table viewing them."""
@@ -157,8 +164,8 @@ class DecodeGraphRunner:
 
     def run_model(self, metadata: AttentionMetadata) -> None:
         bucket = metadata.batch_size
-        logits = self.model(self.input_ids[:bucket], metadata, self.backend, self.all_rows[:bucket])
-        self.logits[:bucket].copy_(logits)
+        hidden = self.model(self.input_ids[:bucket], metadata, self.backend, self.all_rows[:bucket])
+        self.hidden[:bucket].copy_(hidden)
 
     # ----------------------------------------------------------------- start-up
     def capture_all(self, padding_step: Callable[[int], StepInputs]) -> None:

@@ -1,0 +1,150 @@
+"""Start-up, in the order it happens: load the model, size the KV cache, allocate it.
+
+1. **Load**: the checkpoint's weights into the decoder, on the device and in the dtype
+   asked for (`weights/loader.py`; built inside `split_across`, one rank's slice).
+2. **Size**: how many KV pages. Asked for in pages (`num_pages`) or bytes
+   (`kv_cache_memory` above 1): as asked. On a CPU, which shares its RAM with everything
+   else: what every sequence at full length could use, but at most a fixed share of the
+   RAM (`CPU_KV_CACHE_FRACTION` of the total, so the cache is the same size every run), or
+   a `kv_cache_memory` fraction of what is available. On a GPU the cache gets what the rest
+   of the engine leaves, which `memory_profile.py` measures by running the worst step.
+3. **Allocate**: the cache, the attention backend over it, the decode graphs' buffers, and
+   the runner that owns them; then the graphs are captured.
+
+Several models may keep K/V for the same tokens (a draft model beside the target): they
+are sized together, so each gets a cache with the same pages. Every rank of a split model
+runs this same start-up over its slice, and the ranks agree on the smallest page count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.attention.registry import attention_backend_class
+from nanoqwen.config import RunnerSettings
+from nanoqwen.memory.kv_cache import KVCache, make_kv_cache
+from nanoqwen.model.layers import SINGLE, TensorParallel, split_across
+from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.runner.runner import ModelRunner, on_device
+from nanoqwen.weights.checkpoint import Checkpoint
+from nanoqwen.weights.loader import load_model
+
+# On the CPU the cache shares RAM with everything else: by default it takes at most this
+# share of the machine's RAM.
+CPU_KV_CACHE_FRACTION = 0.2
+
+
+# How a runner is made from its parts (rank 0 of a split model makes its own kind).
+RunnerFactory = Callable[..., ModelRunner]
+
+
+def start_runners(
+    checkpoints: Sequence[Checkpoint],
+    settings: RunnerSettings,
+    tp: TensorParallel = SINGLE,
+    device: torch.device | None = None,
+    max_proposed: int = 0,
+    agree: Callable[[int], int] = int,
+    make: RunnerFactory = ModelRunner,
+) -> list[ModelRunner]:
+    """A runner per checkpoint, ready to step, on caches with the same pages. `agree` turns
+    this rank's page count into the one every rank can afford; `max_proposed` is the most
+    tokens a step appends to a row (sizing's worst step)."""
+    device = exact_device(device or settings.device)
+    with on_device(device):
+        with split_across(tp):
+            models = [load_model(c, settings.dtype, device, settings.quantization) for c in checkpoints]
+        backend_class = attention_backend_class(
+            settings.attention_backend, models[0].attention_shape, settings.page_size,
+            settings.dtype, settings.kv_storage_dtype, device,
+        )
+        buckets = decode_buckets(settings, models[0], backend_class, device)
+        parts = RunnerParts(settings, backend_class, buckets)
+        num_pages = agree(kv_pages(models, parts, device, tp.size, max_proposed))
+        runners = [parts.runner(model, num_pages, make) for model in models]
+        for runner in runners:
+            runner.capture_graphs()
+    return runners
+
+
+@dataclass(frozen=True)
+class RunnerParts:
+    """How a runner is put together around a model: its backend and graph buckets."""
+
+    settings: RunnerSettings
+    backend_class: type[AttentionBackend]
+    buckets: list[int]
+
+    def runner(self, model: QwenForCausalLM, num_pages: int, make: RunnerFactory = ModelRunner) -> ModelRunner:
+        shape, settings = model.attention_shape, self.settings
+        kv_cache = make_kv_cache(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, settings.page_size, num_pages,
+            settings.dtype, model.lm_head.weight.device, settings.kv_storage_dtype,
+            self.backend_class.per_vector_kv_scales,
+        )
+        backend = self.backend_class(kv_cache, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        graphs = None
+        if self.buckets:
+            from nanoqwen.runner.cuda_graph import DecodeGraphRunner
+
+            graphs = DecodeGraphRunner(model, backend, self.buckets, settings.max_model_len)
+        return make(model, backend, graphs)
+
+    def page_bytes(self, model: QwenForCausalLM) -> int:
+        shape = model.attention_shape
+        return KVCache.bytes_per_page(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, self.settings.page_size,
+            self.settings.kv_storage_dtype, self.backend_class.per_vector_kv_scales,
+        )
+
+
+def kv_pages(
+    models: Sequence[QwenForCausalLM], parts: RunnerParts, device: torch.device, num_ranks: int,
+    max_proposed: int,
+) -> int:
+    """How many pages each model's cache gets (the scratch page included)."""
+    settings = parts.settings
+    if settings.num_pages is not None:
+        return settings.num_pages
+    page_bytes = sum(parts.page_bytes(model) for model in models)
+    memory = settings.kv_cache_memory
+    if device.type == "cuda" and (memory is None or memory <= 1):
+        from nanoqwen.runner.memory_profile import gpu_kv_memory_for
+
+        memory = gpu_kv_memory_for(models, parts.runner, parts.backend_class, len(parts.buckets),
+                                   settings, device, max_proposed)
+    elif memory is None or memory <= 1:
+        ram = psutil.virtual_memory()  # the ranks of a split model share it
+        if memory is not None:
+            memory *= ram.available / num_ranks
+        else:
+            pages_per_sequence = -(-settings.max_model_len // settings.page_size)
+            every_sequence_full = settings.max_num_seqs * pages_per_sequence * page_bytes
+            memory = min(CPU_KV_CACHE_FRACTION * ram.total / num_ranks, every_sequence_full)
+    return max(2, int(memory // page_bytes) + 1)
+
+
+def decode_buckets(
+    settings: RunnerSettings, model: QwenForCausalLM, backend_class: type[AttentionBackend],
+    device: torch.device,
+) -> list[int]:
+    """The batch sizes decode steps are padded to: asked for, or on CUDA the defaults where
+    graphs can be captured (`cuda_graph.py`); none means every step runs eagerly."""
+    if settings.enforce_eager or (settings.decode_buckets is None and device.type != "cuda"):
+        return []
+    from nanoqwen.runner.cuda_graph import decode_buckets as buckets_for
+
+    return buckets_for(settings.decode_buckets, settings.max_num_seqs, device, backend_class,
+                       model.config.rope_type)
+
+
+def exact_device(device: torch.device) -> torch.device:
+    """`cuda` means the current CUDA device: name it, so it stays the same from any thread."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
