@@ -281,7 +281,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
+            token_ids=request.token_ids[len(request.prompt_token_ids) :],  # generated so far
             text=request.detokenizer.text,
             delta_token_ids=new_token_ids,
             delta_text=delta,

@@ -39,20 +39,21 @@ class LLM:
         Every prompt is queued or none is: one refused (a `ValueError`) takes back the
         ones queued before it.
         """
-        ids: list[str] = []
-        final: dict[str, RequestOutput] = {}
+        outputs: dict[str, RequestOutput | None] = {}  # in prompt order, None until finished
         try:
             for prompt, sampling, rank in _one_per_prompt(prompts, params, priority):
-                ids.append(self.engine.add_request(prompt, sampling, priority=rank))
-            while len(final) < len(ids):
+                outputs[self.engine.add_request(prompt, sampling, priority=rank)] = None
+            unfinished = len(outputs)
+            while unfinished:
                 for output in self.engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
+                    if output.finished and output.request_id in outputs:
+                        outputs[output.request_id] = output
+                        unfinished -= 1
         finally:
-            for request_id in ids:
-                if request_id not in final:
+            for request_id, output in outputs.items():
+                if output is None:
                     self.engine.abort(request_id)
-        return [final[request_id] for request_id in ids]
+        return list(outputs.values())
 
     def chat(
         self,

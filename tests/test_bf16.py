@@ -35,7 +35,7 @@ def test_first_step_logits_are_within_the_bf16_bound(engines, model_dir: str) ->
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=2)
     for prompt in prompts:
         engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule().batch
+    batch = engine.scheduler.schedule().rows
     inputs = engine.runner.prepare(batch)
     logits = engine.runner.forward(inputs)
     assert logits.dtype == torch.bfloat16

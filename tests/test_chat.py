@@ -19,9 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
-from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 

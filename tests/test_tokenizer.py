@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from nanoqwen import SamplingParams
-from nanoqwen.text.detokenizer import IncrementalDetokenizer
-from nanoqwen.text.tokenizer import FALLBACK_SAMPLING, Tokenizer
+from nanoqwen.text.tokenizer import FALLBACK_SAMPLING, IncrementalDetokenizer, Tokenizer
 from tools.checkpoints import (
     END_OF_TEXT,
     IM_END,

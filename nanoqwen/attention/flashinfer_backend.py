@@ -32,8 +32,7 @@ import torch
 from rich.console import Console
 
 from nanoqwen.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-from nanoqwen.memory.kv_cache import KVCache, make_kv_cache
-from nanoqwen.memory.kv_quant import TENSOR_SCALE
+from nanoqwen.memory.kv_cache import ONE_BYTE_DTYPES, KVCache
 
 logger = logging.getLogger(__name__)
 # Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
@@ -177,10 +176,13 @@ def warm_up_kernels(
     """
     heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     pages = list(range(1, 1 + -(-num_tokens // page_size)))  # after the scratch page
-    kv_cache = make_kv_cache(
-        1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device, kv_dtype,
-        per_vector_scales=backend_class.per_vector_kv_scales,
-    )
+    shape = (1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device)
+    if kv_dtype in ONE_BYTE_DTYPES:  # flashinfer reads fp8 pages at one scale per tensor
+        from nanoqwen.memory.kv_quant import QuantizedKVCache
+
+        kv_cache: KVCache = QuantizedKVCache(*shape, kv_dtype, per_vector_scales=False)
+    else:
+        kv_cache = KVCache(*shape)
     backend = backend_class(kv_cache, heads, kv_heads, head_dim)
     backend.plan(one_request(num_tokens, pages, page_size, device))
     q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
@@ -275,9 +277,11 @@ class FlashInferBackend(AttentionBackend):
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
         self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
         # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
-        self.kv_scales = (
-            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if kv_cache.is_quantized else {}
-        )
+        self.kv_scales = {}
+        if kv_cache.is_quantized:
+            from nanoqwen.memory.kv_quant import TENSOR_SCALE
+
+            self.kv_scales = {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE}
         self.prefill_wrapper = self._fenced(
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend

@@ -7,7 +7,7 @@ slots (`page * page_size + slot`), `gather` reads whole pages back, and `layer_c
 kernels that read pages themselves (flashinfer, the torch backend's sparse decodes) the
 layer's tensors. Other ranks of a split model, and a second model keeping K/V for the same
 tokens, have caches of their own with the same pages and no allocator. A cache that stores
-one byte per number is `kv_quant.py`'s `QuantizedKVCache`, made by `make_kv_cache`.
+one byte per number is `kv_quant.py`'s `QuantizedKVCache`.
 
 Invariant: the cache decides nothing: a slot holds what the last `write` to it stored,
 and only the host's page tables say whose it is. The story: docs/learn/03-paged-kv-cache.md.
@@ -73,17 +73,3 @@ class KVCache:
         kv_heads, dim]` in `self.dtype`: written into the front of `out` when given."""
         return torch.index_select(self.kv[layer, kind], 0, pages,
                                   out=None if out is None else out[: pages.numel()])
-
-
-def make_kv_cache(
-    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-    dtype: torch.dtype, device: torch.device, storage_dtype: torch.dtype,
-    per_vector_scales: bool = True,
-) -> KVCache:
-    """A cache storing pages in `storage_dtype`: one byte per number takes `kv_quant.py`."""
-    shape = (num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype, device)
-    if storage_dtype not in ONE_BYTE_DTYPES:
-        return KVCache(*shape)
-    from nanoqwen.memory.kv_quant import QuantizedKVCache
-
-    return QuantizedKVCache(*shape, storage_dtype=storage_dtype, per_vector_scales=per_vector_scales)

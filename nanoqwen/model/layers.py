@@ -218,8 +218,10 @@ class RowParallelLinear(nn.Linear):
         return read_block(param, source, 0, [self.in_split], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Each rank's columns give a partial sum of the output; add them up.
-        return self.tp.all_reduce(super().forward(x))
+        out = super().forward(x)
+        if self.tp.size > 1:  # each rank's columns give a partial sum of the output: add them up
+            dist.all_reduce(out)
+        return out
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -250,18 +252,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Linear):
-    """The logits: this rank's block of the vocabulary (the embedding's rows), joined into
-    `[S, vocab]` on rank 0; other ranks, which never sample, get None."""
+    """This rank's block of the vocabulary's logits (the embedding's rows); `join` brings
+    the ranks' blocks together on rank 0."""
 
     def __init__(self, hidden_size: int, embedding: VocabParallelEmbedding) -> None:
         super().__init__(hidden_size, embedding.weight.shape[0], bias=False)
         self.load_block = embedding.load_block
         self.tp, self.vocab_size = embedding.tp, embedding.vocab_size
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = super().forward(hidden)
-        if self.tp.size == 1:
-            return local
+    def join(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's block of the logits, `[S, rows]`, joined into `[S, vocab]` on rank 0;
+        None on the other ranks, which never sample."""
         if local.shape[0] == 0:  # nothing sampled this step, on any rank
             return local.new_empty(0, self.vocab_size) if self.tp.rank == 0 else None
         blocks = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None

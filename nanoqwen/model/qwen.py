@@ -197,4 +197,5 @@ class QwenForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`[S, vocab]` logits of final-norm hidden states (on rank 0 of a split model;
         None on the others)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.lm_head.tp.size == 1 else self.lm_head.join(logits)

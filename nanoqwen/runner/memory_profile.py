@@ -105,9 +105,31 @@ def gpu_kv_memory_for(
     device: torch.device,
     max_proposed: int,
 ) -> float:
-    """Bytes the KV caches of `models` may take on their GPU, once each model's overhead is
-    measured running its worst step on a runner `make_runner` builds (a draft model's step
-    without appended tokens: it never verifies any)."""
+    """Bytes the KV caches of `models` may take on their GPU, once the rest of the engine's
+    needs are measured (`measure_overheads`)."""
+    overhead = measure_overheads(models, make_runner, backend_class, num_graph_buckets,
+                                 settings, CudaMemory(device), max_proposed)
+    torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = settings.kv_cache_memory
+    memory = gpu_kv_memory(free, total, overhead, fraction, settings.gpu_memory_utilization)
+    logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / GIB, overhead)
+    return memory
+
+
+def measure_overheads(
+    models: Sequence[QwenForCausalLM],
+    make_runner: Callable[[QwenForCausalLM, int], ModelRunner],
+    backend_class: type[AttentionBackend],
+    num_graph_buckets: int,
+    settings: RunnerSettings,
+    memory: MemoryCounters,
+    max_proposed: int,
+) -> Overhead:
+    """What `models` need beside their weights and KV caches, each measured running its
+    worst step on a runner `make_runner` builds: the first (the target) with `max_proposed`
+    tokens appended to every decode, the others (a draft model) without: they compute the
+    target's rows before any are appended, then one-token rows."""
     overhead = Overhead()
     for index, model in enumerate(models):
         worst = WorstStep(settings.max_num_seqs, settings.chunk_size, settings.max_model_len,
@@ -118,14 +140,9 @@ def gpu_kv_memory_for(
         )
         overhead += profile_overhead(
             lambda num_pages, model=model: make_runner(model, num_pages), worst,
-            settings.page_size, CudaMemory(device), backend_class.__name__, attention_bytes,
+            settings.page_size, memory, backend_class.__name__, attention_bytes,
         )
-    torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = settings.kv_cache_memory
-    memory = gpu_kv_memory(free, total, overhead, fraction, settings.gpu_memory_utilization)
-    logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / GIB, overhead)
-    return memory
+    return overhead
 
 
 def gpu_kv_memory(
@@ -212,7 +229,7 @@ def profile_overhead(
         rows = worst_step(
             pages, worst.max_num_seqs, worst.chunk_size, worst.max_model_len, worst.max_proposed
         )
-        step = _peak_of(memory, lambda: runner.run(rows))
+        step = _peak_of(memory, lambda: sample_every_row(runner, rows))
         graph_pool = 0
         if runner.graphs is not None:
             decodes = worst_step(pages, runner.graphs.buckets[-1], 0, worst.max_model_len)
@@ -261,6 +278,13 @@ def worst_step(
                           EVERY_SAMPLING_OPTION, pages=pages)
         rows.append(Row(request, length - num_new, [PADDING_TOKEN_ID] * num_new, 1 + appended))
     return rows
+
+
+def sample_every_row(runner: ModelRunner, rows: list[Row]) -> None:
+    """Run a step and sample every row of logits it computes (a verification samples each
+    of a row's rows: the sampler's largest call)."""
+    logits = runner.forward(runner.prepare(rows))
+    runner.sampler.sample(logits, [row.request for row in rows for _ in range(row.num_sampled)])
 
 
 def _peak_of(memory: MemoryCounters, run: Callable[[], object]) -> int:

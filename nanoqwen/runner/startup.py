@@ -27,7 +27,7 @@ import torch
 from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.config import RunnerSettings
-from nanoqwen.memory.kv_cache import KVCache, make_kv_cache
+from nanoqwen.memory.kv_cache import ONE_BYTE_DTYPES, KVCache
 from nanoqwen.model.layers import SINGLE, TensorParallel, split_across
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.runner import ModelRunner, on_device
@@ -67,8 +67,8 @@ def start_runners(
         parts = RunnerParts(settings, backend_class, buckets)
         num_pages = agree(kv_pages(models, parts, device, tp.size, max_proposed))
         runners = [parts.runner(model, num_pages, make) for model in models]
-        for runner in runners:
-            runner.capture_graphs()
+    for runner in runners:
+        runner.capture_graphs()  # on the runner's own device
     return runners
 
 
@@ -120,13 +120,37 @@ def kv_pages(
                                    settings, device, max_proposed)
     elif memory is None or memory <= 1:
         ram = psutil.virtual_memory()  # the ranks of a split model share it
-        if memory is not None:
-            memory *= ram.available / num_ranks
-        else:
-            pages_per_sequence = -(-settings.max_model_len // settings.page_size)
-            every_sequence_full = settings.max_num_seqs * pages_per_sequence * page_bytes
-            memory = min(CPU_KV_CACHE_FRACTION * ram.total / num_ranks, every_sequence_full)
+        memory = cpu_kv_memory(ram.total / num_ranks, ram.available / num_ranks, memory,
+                               settings, page_bytes)
     return max(2, int(memory // page_bytes) + 1)
+
+
+def cpu_kv_memory(
+    total: float, available: float, fraction: float | None, settings: RunnerSettings,
+    page_bytes: int,
+) -> float:
+    """Bytes for the cache on a CPU with `total` bytes of RAM, `available` of them free:
+    `fraction` of what is available, or what every sequence at full length needs, at most
+    `CPU_KV_CACHE_FRACTION` of the total."""
+    if fraction is not None:
+        return fraction * available
+    pages_per_sequence = -(-settings.max_model_len // settings.page_size)
+    every_sequence_full = settings.max_num_seqs * pages_per_sequence * page_bytes
+    return min(CPU_KV_CACHE_FRACTION * total, every_sequence_full)
+
+
+def make_kv_cache(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+    dtype: torch.dtype, device: torch.device, storage_dtype: torch.dtype,
+    per_vector_scales: bool = True,
+) -> KVCache:
+    """A cache storing pages in `storage_dtype`: one byte per number is `kv_quant.py`'s."""
+    shape = (num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype, device)
+    if storage_dtype not in ONE_BYTE_DTYPES:
+        return KVCache(*shape)
+    from nanoqwen.memory.kv_quant import QuantizedKVCache
+
+    return QuantizedKVCache(*shape, storage_dtype=storage_dtype, per_vector_scales=per_vector_scales)
 
 
 def decode_buckets(

@@ -15,7 +15,7 @@ Read it in this order:
 * `routes` — the endpoints, and the flow of one completion from body to last chunk.
 * `plumbing`, `sockets` and `app` — the `http.server` parts: deadlines, disconnects, who
   may call, Server-Sent Events, the connection cap and a shutdown that never waits on a
-  client.
+  client; `settings` holds the server's limits, `page` serves the chat page's files.
 
 `make_server(model, host, port, **options)` takes the port, loads a model and returns
 the bound `OpenAIServer`; `serve.py` is its command line.

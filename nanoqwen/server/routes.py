@@ -22,9 +22,8 @@ from urllib.parse import unquote
 from nanoqwen.engine import EncodedPrompt
 from nanoqwen.metrics import CONTENT_TYPE
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.sampling.grammar import StructuredOutput
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.sampling.params import PoolingParams, SamplingParams
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server import page, protocol, tokenizing, tokens
 from nanoqwen.server.engine_loop import (
     NotServing,

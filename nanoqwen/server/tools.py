@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server.protocol import bad_request
 from nanoqwen.text.stop_strings import partial_match_length
 

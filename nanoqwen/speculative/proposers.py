@@ -33,7 +33,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +52,6 @@ from nanoqwen.speculative.verification import (
 )
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
-
-if TYPE_CHECKING:
-    from nanoqwen.engine import LLMEngine
 
 # Pages for up to `count` guesses after a row's tokens; how many it may carry.
 Reserve = Callable[[int, int], int]
@@ -101,7 +98,8 @@ class Speculation:
         self.drafted: dict[Request, int] = {}  # this step's guesses per request
         self.scheduler: Scheduler | None = None
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: Any) -> None:
+        """Take the engine's (an `LLMEngine`'s) scheduler, and verify its runner's steps."""
         self.scheduler = engine.scheduler
         engine.runner.choose_tokens = self.proposer.choose_tokens
 
