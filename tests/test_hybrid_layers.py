@@ -11,6 +11,7 @@ are held to each other: the chunked form to the token-by-token recurrence.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -225,6 +226,18 @@ def test_deltanet_decodes_after_a_prefill(checkpoint: Checkpoint) -> None:
     hidden = tokens(52)
     ours = in_steps(deltanet(checkpoint), pool_for(checkpoint.config), hidden, [40] + [1] * 12)
     torch.testing.assert_close(ours, whole_sequence(checkpoint, hidden), **FLOAT32)
+
+
+@torch.inference_mode()
+def test_deltanet_rounds_like_transformers_in_bfloat16(checkpoint: Checkpoint) -> None:
+    """In bf16 (a bf16 conv window, a float32 state) the outputs stay with transformers'
+    bf16 layer, far closer than bf16 is to float32 (about 0.2 here)."""
+    hidden = tokens(70).bfloat16()
+    oracle = copy.deepcopy(checkpoint.oracle(LINEAR)).bfloat16()
+    expected = oracle(hidden[None])[0]
+    pool = ToyPool(deltanet_state_shapes(checkpoint.config, torch.bfloat16), 1)
+    ours = in_steps(deltanet(checkpoint).bfloat16(), pool, hidden, [40, 1, 1, 28])
+    torch.testing.assert_close(ours, expected, atol=2e-2, rtol=1e-2)
 
 
 def test_a_short_chunk_shifts_the_conv_window_partly() -> None:

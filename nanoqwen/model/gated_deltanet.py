@@ -14,9 +14,10 @@ Serving shapes it the way the dense attention is shaped: the input is the flat `
 tokens of many requests. A request's memory here is not pages but one slot of a state
 pool, read and written through `StateView`: a decode-only step gathers every request's
 slot at once, steps, and scatters back, with fixed shapes and no host sync (so a CUDA
-graph can hold it; padding rows point at the dummy slot 0); a prefill row runs alone,
-chunked, from its slot's window and state. Split across ranks, each rank keeps whole key
-heads with their value heads, their conv channels and their gates.
+graph can hold it; padding rows point at the dummy slot 0); in a mixed step each prefill
+request runs alone, chunked, from its slot's window and state, and the one-token requests
+still run together. Split across ranks, each rank keeps whole key heads with their value
+heads, their conv channels and their gates.
 
 Invariant: however a request's tokens are cut into steps (prefill chunks of any length,
 single-token decodes batched with other requests in any slot order), its outputs equal
