@@ -52,7 +52,7 @@ from nanoqwen.model.gated_deltanet import (
     StateShapes,
     deltanet_state_shapes,
 )
-from nanoqwen.model.layers import TensorParallel, load_whole, split_across
+from nanoqwen.model.layers import TensorParallel, TensorSlice, load_whole, split_across
 
 LINEAR, FULL = 0, 3  # the layers of the tiny models: linear, linear, linear, full
 HIDDEN = 64
@@ -95,8 +95,7 @@ class Checkpoint:
     def __init__(self, architecture: str, directory: Path) -> None:
         config_class, model_class, extra = ARCHITECTURES[architecture]
         self.config = config_class(**SMALL, **extra)
-        self.config._attn_implementation = "eager"
-        torch.manual_seed(0)
+        self.config._attn_implementation = "eager"  # the mask it is given, as it is given
         self.model = model_class(self.config).eval()
         randomize(self.model)
         self.model.save_pretrained(directory)
@@ -108,8 +107,11 @@ class Checkpoint:
     def names(self, prefix: str) -> set[str]:
         return {name for name in self._file.keys() if name.startswith(prefix)}
 
-    def slice(self, name: str):
+    def slice(self, name: str) -> TensorSlice:
         return self._file.get_slice(name)
+
+    def close(self) -> None:
+        self._files.close()
 
     def oracle(self, layer: int) -> nn.Module:
         decoder = self.model.model.layers[layer]
@@ -122,7 +124,7 @@ def checkpoint(
 ) -> Iterator[Checkpoint]:
     saved = Checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     yield saved
-    saved._files.close()
+    saved.close()
 
 
 def load(layer: nn.Module, checkpoint: Checkpoint, prefix: str) -> nn.Module:
@@ -471,6 +473,8 @@ needs_flashinfer = pytest.mark.skipif(
 def test_flashinfer_kernels_match_the_torch_rule() -> None:
     """flashinfer's prefill and decode kernels (heads of 128, bf16, on Hopper) against the
     torch path, on the same layer and steps, within bf16's rounding."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("flashinfer's Gated DeltaNet decode kernel is built for Hopper (SM90)")
     config = Qwen3NextConfig(
         **{**SMALL, "linear_key_head_dim": 128, "linear_value_head_dim": 128},
         **ARCHITECTURES["qwen3_next"][2],
