@@ -32,8 +32,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     apply_rotary_pos_emb,
 )
 
-from nanoqwen.attention.base import AttentionMetadata
-from nanoqwen.attention.reference import ReferenceBackend
+from nanoqwen.attention.base import AttentionMetadata, ReferenceBackend
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.model import gated_deltanet
 from nanoqwen.model.delta_rule import (

@@ -39,12 +39,12 @@ from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import KV_CACHE_DTYPES
-from nanoqwen.memory.kv_cache import make_kv_cache
 from nanoqwen.memory.kv_quant import (
     TENSOR_SCALE,
     dequantize,
     quantize,
 )
+from nanoqwen.runner.startup import make_kv_cache
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 QUANTIZED = ["int8", "fp8_e4m3"]

@@ -38,9 +38,9 @@ from nanoqwen.model.layers import (
     RMSNorm,
     RowParallelLinear,
     Split,
+    apply_rotary,
     current_group,
 )
-from nanoqwen.model.rotary import apply_rotary
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
