@@ -176,18 +176,17 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """One SwiGLU per expert that received tokens, on its rows; one host sync in all."""
         _, order = sort_by_expert(expert_ids)
-        tokens, pair_weights = order // expert_ids.shape[1], weights.flatten()[order]
+        tokens = order // expert_ids.shape[1]
+        rows = hidden[tokens]  # each (token, k) pair's token, grouped by expert
         counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).tolist()
-        out = torch.zeros_like(hidden)
         end = 0
         for expert, count in enumerate(counts):
             start, end = end, end + count
-            if count:
-                rows = tokens[start:end]
+            if count:  # its output overwrites its input: one buffer serves the whole batch
                 gate_up, down = self.gate_up_proj.weight[expert], self.down_proj.weight[expert]
-                y = swiglu(hidden[rows], gate_up, down)
-                out.index_add_(0, rows, y * pair_weights[start:end, None])
-        return out
+                rows[start:end] = swiglu(rows[start:end], gate_up, down)
+        rows *= weights.flatten()[order, None]
+        return torch.zeros_like(hidden).index_add_(0, tokens, rows)
 
     def grouped_gemm(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
