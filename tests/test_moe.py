@@ -194,7 +194,7 @@ def test_block_matches_transformers(checkpoint: Checkpoint, layout: str) -> None
         close(block(hidden), checkpoint.oracle(hidden[None])[0])
 
 
-@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @torch.inference_mode()
 def test_two_ranks_partial_sums_add_up_to_one_rank(
     checkpoint: Checkpoint, layout: str, monkeypatch: pytest.MonkeyPatch

@@ -1,4 +1,4 @@
-"""The sparse Mixture-of-Experts block: the MLP of Qwen2-MoE, Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE.
+"""The sparse Mixture-of-Experts block: the MLP of Qwen2/Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE.
 
 A dense MLP runs every token through one SwiGLU. A sparse block holds E narrower ones, the
 experts, and a router (`gate`, a linear map H → E) that picks k of them per token: a
@@ -9,9 +9,10 @@ shared expert that every token goes through, scaled by sigmoid(`shared_expert_ga
 token reads k/E of the expert weights: Qwen3-30B-A3B holds 30B parameters and uses 3B.
 
 The serving problem: a step's tokens arrive as one flat batch `[T, H]`, many requests back
-to back, and each token wants different experts. Looping over all E experts with a mask
-(transformers' way) touches every expert and syncs with the host once per expert; padding
-every expert to the same number of rows wastes work. Instead the block sorts the work:
+to back, and each token wants different experts. transformers builds a one-hot mask
+`[E, k, T]` and finds each routed expert's tokens with `torch.where`, a host sync per
+expert; padding every expert to the same number of rows wastes work; running every expert
+on every token reads all E experts' weights. Instead the block sorts the work:
 
     (token, k) pairs ──argsort by expert──► rows grouped by expert
     expert:    0        1     2      3    ...  E-1
@@ -220,8 +221,8 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 def runs_grouped_gemm(hidden: torch.Tensor, channels: int) -> bool:
     """Does torch's grouped GEMM serve these experts without a host sync? Only its CUTLASS
-    kernel does (bf16 on sm90/sm100, rows 16-byte aligned); elsewhere it loops over groups
-    with their sizes read on the host, and the grouped loop is as good and clearer."""
+    kernel does (bf16 on sm90/sm100, rows 16-byte aligned); elsewhere torch loops over every
+    group with the sizes read on the host, where the grouped loop at least skips empty ones."""
     return (
         hidden.is_cuda
         and hidden.dtype == torch.bfloat16
