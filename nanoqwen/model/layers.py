@@ -85,6 +85,13 @@ def current_group() -> TensorParallel:
     return _current_group
 
 
+def add_up_partial_sums(partial: torch.Tensor, group: TensorParallel) -> torch.Tensor:
+    """Sum over `group`'s ranks, in place, the partial outputs of a layer that ends like a
+    `RowParallelLinear` without being one (the MoE block: experts and shared expert add
+    their partial sums first, then the ranks add theirs once)."""
+    return group.all_reduce(partial)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
