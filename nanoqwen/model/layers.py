@@ -85,13 +85,6 @@ def current_group() -> TensorParallel:
     return _current_group
 
 
-def add_up_partial_sums(partial: torch.Tensor, group: TensorParallel) -> torch.Tensor:
-    """Sum over `group`'s ranks, in place, the partial outputs of a layer that ends like a
-    `RowParallelLinear` without being one (the MoE block: experts and shared expert add
-    their partial sums first, then the ranks add theirs once)."""
-    return group.all_reduce(partial)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -139,8 +132,9 @@ def default_rope_parameters(hf_config: PretrainedConfig, device: object) -> tupl
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
-    dim = int(head_dim * getattr(hf_config, "partial_rotary_factor", 1.0))
-    base = hf_config.rope_parameters["rope_theta"]
+    rope = hf_config.rope_parameters
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    base = rope["rope_theta"]
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 

@@ -60,13 +60,13 @@ from nanoqwen.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     Split,
-    add_up_partial_sums,
     copy_checked,
     current_group,
     read_block,
 )
 
 if TYPE_CHECKING:
+    from nanoqwen.model.config import ModelConfig
     from nanoqwen.model.layers import TensorSlice
 
 
@@ -116,6 +116,11 @@ class MoeShape:
                 raise ValueError(f"{ranks} ranks must divide the model's {name}={size}")
 
 
+def sparse_moe_block(config: ModelConfig, layer: int) -> SparseMoeBlock:
+    """The `sparse_moe` layer kind: the experts of the model's config."""
+    return SparseMoeBlock(config.moe)
+
+
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse decoder layer: `[T, H]` hidden states in, `[T, H]` out."""
 
@@ -139,7 +144,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(hidden, expert_ids, weights)
         if shared is not None:
             out += shared
-        return add_up_partial_sums(out, self.group)
+        # Experts and shared expert added their partial sums first; the ranks add theirs once.
+        return self.group.all_reduce(out)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k experts `[T, k]` and their weights `[T, k]` (in `hidden`'s dtype),
