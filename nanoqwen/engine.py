@@ -43,7 +43,13 @@ from nanoqwen.sampling.sampler import make_generator
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Row, Scheduler
 from nanoqwen.scheduling.waiting_queue import check_priority
-from nanoqwen.stats import Stats, kv_cache_group, prefix_cache_group, requests_group
+from nanoqwen.stats import (
+    Stats,
+    kv_cache_group,
+    prefix_cache_group,
+    requests_group,
+    state_pool_group,
+)
 from nanoqwen.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
 
@@ -98,6 +104,12 @@ class LLMEngine:
         elif config.speculative is not None:
             from nanoqwen.speculative.proposers import start_speculation
 
+            if self.model_config.state_layers:
+                raise ValueError(
+                    "speculative decoding does not run on models with recurrent layers "
+                    "(Qwen3-Next, Qwen3.5): their state would have to be kept after every "
+                    "guessed token, to go back to the last accepted one"
+                )
             self.runner, hook = start_speculation(config, checkpoint, self.tokenizer, settings)
             self.step_hooks.append(hook)
         else:
@@ -105,9 +117,14 @@ class LLMEngine:
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.allocator = PageAllocator(self.runner.kv_cache.num_pages, config.page_size)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_cache else None
+        self.states = None  # the state pool's slots, for a model with recurrent layers
+        if self.runner.states is not None:
+            from nanoqwen.memory.state_pool import StateSlots
+
+            self.states = StateSlots(self.runner.states.num_slots, config.page_size)
         self.scheduler = Scheduler(
             self.allocator, self.cache, config.max_num_seqs, config.chunk_size,
-            config.scheduling_policy, config.priority_aging_steps,
+            config.scheduling_policy, config.priority_aging_steps, self.states,
         )
         for hook in self.step_hooks:
             hook.attach(self)
@@ -304,6 +321,7 @@ class LLMEngine:
             "requests": requests_group(self.scheduler, self.num_finished),
             "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
             **prefix_cache_group(self.cache),
+            **state_pool_group(self.states),
             **self.runner.cpu_threads.stats_group(),
         }
         for hook in self.step_hooks:
@@ -315,6 +333,10 @@ class LLMEngine:
         return self.config.tensor_parallel_size
 
     def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request uses (and every state snapshot); return how
+        many pages were freed."""
+        if self.states is not None:
+            self.states.reset()
         return self.cache.reset() if self.cache else 0
 
     def shutdown(self) -> None:

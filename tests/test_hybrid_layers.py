@@ -18,6 +18,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from types import SimpleNamespace
+
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -196,7 +198,7 @@ def in_steps(
     """One request's tokens, `cuts[i]` of them in step i, from its slot's state."""
     outputs, start = [], 0
     for length in cuts:
-        outputs.append(layer(hidden[start : start + length], pool.step([length], [slot])))
+        outputs.append(layer(hidden[start : start + length], SimpleNamespace(states=pool.step([length], [slot]))))
         start += length
     assert start == hidden.shape[0]
     return torch.cat(outputs)
@@ -272,7 +274,7 @@ def test_a_packed_batch_equals_each_request_alone(checkpoint: Checkpoint) -> Non
     pool = pool_for(checkpoint.config, num_slots=3)
     for history, slot in zip(histories, slots):
         in_steps(layer, pool, history, [5], slot)
-    packed = layer(torch.cat(new), pool.step(lengths, slots))
+    packed = layer(torch.cat(new), SimpleNamespace(states=pool.step(lengths, slots)))
     torch.testing.assert_close(packed, torch.cat(alone), **FLOAT32)
     for slot, (window, state) in zip(slots, alone_states):
         torch.testing.assert_close(pool.slot(slot), (window, state), **FLOAT32)
@@ -303,7 +305,7 @@ def test_batched_decodes_touch_only_their_own_slots(
             expected[slot] = (in_steps(layer, alone, step[row : row + 1], [1]), alone.slot(1))
     for per_request in ("prefill_requests", "decode_requests"):
         monkeypatch.setattr(gated_deltanet, per_request, None)  # calling it would fail
-    out = layer(step, pool.step([1] * 4, order))
+    out = layer(step, SimpleNamespace(states=pool.step([1] * 4, order)))
     for row, slot in enumerate(order):
         if slot:
             torch.testing.assert_close(out[row : row + 1], expected[slot][0], **FLOAT32)
@@ -370,7 +372,7 @@ def attention_in_steps(
     for length in cuts:
         rows = slice(start, start + length)
         backend.plan(one_request(start, length, page_size))
-        outputs.append(layer(hidden[rows], (cos[rows], sin[rows]), backend))
+        outputs.append(layer(hidden[rows], SimpleNamespace(rope=(cos[rows], sin[rows]), backend=backend)))
         start += length
     return torch.cat(outputs)
 

@@ -39,7 +39,7 @@ from nanoqwen.parallel.step_broadcast import STEP_WIRE, step_from_wire, step_to_
 from nanoqwen.parallel.workers import WorkerFailure
 from nanoqwen.runner.runner import StepInputs, lay_out
 from nanoqwen.scheduling.request import Request
-from nanoqwen.scheduling.scheduler import row_for
+from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.loader import load_model
 from tools.checkpoints import build_qwen2
@@ -411,7 +411,7 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
     """Every tensor of a step crosses to the other ranks, and arrives equal; what stays on
     rank 0 is its bookkeeping (which requests the rows are), never a tensor."""
     request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
-    inputs = lay_out([row_for(request, 9)], 4, torch.device("cpu"), pad_to=2)
+    inputs = lay_out([Row(request, 0, request.token_ids, 1)], 4, torch.device("cpu"), pad_to=2)
     wire = step_to_wire(inputs)
     assert set(wire.tensors) == set(STEP_WIRE.tensor_names)
     assert set(wire.ints) == set(STEP_WIRE.int_names)

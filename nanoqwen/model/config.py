@@ -3,25 +3,40 @@
 `ModelConfig` is read from transformers' config object (`config.json`, or whatever a
 checkpoint format keeps instead, turned into one by `weights/`). The decoder in `qwen.py`
 is built from it alone; the transformers config rides along because its rotary-embedding
-helpers need it. Besides the sizes it says what each decoder layer is made of, as a pair
-of *layer kinds* (`qwen.py`'s `LAYER_KINDS`): a dense Qwen2/Qwen3 layer is
-("attention", "mlp") throughout.
+helpers and the newer layers read it. Besides the sizes it says what each decoder layer is
+made of, as a pair of *layer kinds* (`qwen.py`'s `LAYER_KINDS`): a mixer, which lets tokens
+see each other, and an MLP.
+
+| architecture | mixers | MLPs | norms |
+|---|---|---|---|
+| Qwen2, Qwen3 | attention | mlp | rms |
+| Qwen2-MoE, Qwen3-MoE | attention | sparse_moe (some layers may stay mlp) | rms |
+| Qwen3-Next, Qwen3.5, Qwen3.5-MoE | linear_attention, every 4th gated_attention | mlp or sparse_moe | zero-centred |
+
+Layers whose mixer keeps K/V (`kv_layers`) have pages in the KV cache; layers with a
+recurrent state (`state_layers`) have a slot in the state pool (`memory/state_pool.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
 
 from nanoqwen.attention.base import AttentionShape
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+if TYPE_CHECKING:
+    from nanoqwen.model.moe import MoeShape
+
+DENSE_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + HYBRID_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
-# The kinds of a dense decoder layer: its mixer (what mixes tokens) and its MLP.
-DENSE_LAYER = ("attention", "mlp")
-# Mixer kinds that keep K/V in the paged cache.
-ATTENTION_KINDS = ("attention",)
+# Mixer kinds that keep K/V in the paged cache, and those with a recurrent state instead.
+ATTENTION_KINDS = ("attention", "gated_attention")
+STATE_KINDS = ("linear_attention",)
 
 
 @dataclass(frozen=True)
@@ -44,11 +59,18 @@ class ModelConfig:
     rope_type: str
     hf_config: PretrainedConfig
     layer_kinds: tuple[tuple[str, str], ...]  # (mixer kind, MLP kind) of each layer
+    norm_kind: str = "rms_norm"  # the decoder's norms (hybrid models: zero-centred)
+    moe: MoeShape | None = None  # the experts of a sparse model
 
     @property
     def kv_layers(self) -> list[int]:
         """The layers that keep K/V in the paged cache, in order."""
         return [i for i, (mixer, _) in enumerate(self.layer_kinds) if mixer in ATTENTION_KINDS]
+
+    @property
+    def state_layers(self) -> list[int]:
+        """The layers that keep a recurrent state per request, in order."""
+        return [i for i, (mixer, _) in enumerate(self.layer_kinds) if mixer in STATE_KINDS]
 
     def attention_shape(self) -> AttentionShape:
         """The whole model's K/V layers and heads (one rank of a split model holds fewer heads)."""
@@ -68,7 +90,13 @@ class ModelConfig:
                 f"unsupported rope scaling type {rope_type!r}: nanoqwen supports "
                 + ", ".join(SUPPORTED_ROPE_TYPES)
             )
-        is_qwen3 = architecture == "Qwen3ForCausalLM"
+        is_qwen3 = architecture.startswith("Qwen3")
+        moe = None
+        if architecture not in DENSE_ARCHITECTURES:
+            from nanoqwen.model.moe import MoeShape
+
+            moe = MoeShape.from_hf(hf)
+        hybrid = architecture in HYBRID_ARCHITECTURES
         return cls(
             architecture=architecture,
             vocab_size=hf.vocab_size,
@@ -85,8 +113,24 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope_type=rope_type,
             hf_config=hf,
-            layer_kinds=(DENSE_LAYER,) * hf.num_hidden_layers,
+            layer_kinds=tuple(zip(mixer_kinds(hf, hybrid), mlp_kinds(hf, moe))),
+            norm_kind="zero_centered_rms_norm" if hybrid else "rms_norm",
+            moe=moe,
         )
+
+
+def mixer_kinds(hf: PretrainedConfig, hybrid: bool) -> list[str]:
+    """Each layer's mixer: attention, or in a hybrid model the kind its `layer_types` says."""
+    if not hybrid:
+        return ["attention"] * hf.num_hidden_layers
+    return ["linear_attention" if kind == "linear_attention" else "gated_attention"
+            for kind in hf.layer_types]
+
+
+def mlp_kinds(hf: PretrainedConfig, moe: MoeShape | None) -> list[str]:
+    """Each layer's MLP: the experts where the model has them, a dense SwiGLU elsewhere."""
+    return ["sparse_moe" if moe is not None and moe.is_sparse(layer) else "mlp"
+            for layer in range(hf.num_hidden_layers)]
 
 
 def resolve_max_model_len(wanted: int | None, model_config: ModelConfig) -> int:

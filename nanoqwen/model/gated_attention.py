@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.model.layers import (
     ColumnParallelLinear,
     RMSNorm,
@@ -44,6 +43,9 @@ from nanoqwen.model.layers import (
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from nanoqwen.model.config import ModelConfig
+    from nanoqwen.model.qwen import LayerInputs
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -101,14 +103,10 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """hidden `[T, hidden_size]`; rope: cos and sin `[T, rotary_dim / 2]` at each
-        token's position."""
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """hidden `[T, hidden_size]`; `inputs.rope`: cos and sin `[T, rotary_dim / 2]` at
+        each token's position; `inputs.backend` attends over the paged KV cache."""
+        rope, backend = inputs.rope, inputs.backend
         sizes = [self.query_gate_size, self.kv_size, self.kv_size]
         query_gate, k, v = self.qkv_proj(hidden).split(sizes, dim=-1)
         query, gate = query_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, -1)
@@ -117,6 +115,12 @@ class GatedAttention(nn.Module):
         key = partial_rotary(self.k_norm(key), *rope, self.rotary_dim)
         out = backend.forward(self.layer, query, key, value)
         return self.o_proj(out.flatten(1) * torch.sigmoid(gate.flatten(1)))
+
+
+def gated_attention(config: ModelConfig, layer: int) -> GatedAttention:
+    """The `gated_attention` layer kind: decoder layer `layer`, known to the KV cache by its
+    place among the layers that keep K/V."""
+    return GatedAttention(config.hf_config, config.kv_layers.index(layer))
 
 
 def head_splits(

@@ -57,7 +57,9 @@ from nanoqwen.model.layers import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from nanoqwen.model.config import ModelConfig
     from nanoqwen.model.layers import TensorSlice
+    from nanoqwen.model.qwen import LayerInputs
 
 
 # ------------------------------------------------------------------------ the state pool
@@ -219,8 +221,10 @@ class GatedDeltaNet(nn.Module):
         """`A_log` and `dt_bias`: one value per value head, this rank's heads."""
         return read_block(param, source, 0, [self.heads], dim=0)
 
-    def forward(self, hidden: torch.Tensor, states: StateView) -> torch.Tensor:
-        """hidden `[T, hidden_size]`: the step's requests' tokens, packed in order."""
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """hidden `[T, hidden_size]`: the step's requests' tokens, packed in order;
+        `inputs.states` is the step's view of the state pool."""
+        states: StateView = inputs.states
         if self.use_flashinfer is None:
             self.use_flashinfer = flashinfer_serves(hidden, self.k_dim, self.v_dim)
         qkv, z, b, a = self.project(hidden)
@@ -302,6 +306,12 @@ class GatedDeltaNet(nn.Module):
             out = out.to(v.dtype)
         recurrent.index_copy_(0, slot, state[None])
         return out
+
+
+def gated_deltanet(config: ModelConfig, layer: int) -> GatedDeltaNet:
+    """The `linear_attention` layer kind: decoder layer `layer`, known to the state pool by
+    its place among the layers that keep a recurrent state."""
+    return GatedDeltaNet(config.hf_config, config.state_layers.index(layer))
 
 
 def check_splittable(config: PretrainedConfig, ranks: int) -> None:

@@ -132,8 +132,9 @@ def default_rope_parameters(hf_config: PretrainedConfig, device: object) -> tupl
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads
     )
-    dim = int(head_dim * getattr(hf_config, "partial_rotary_factor", 1.0))
-    base = hf_config.rope_parameters["rope_theta"]
+    rope = hf_config.rope_parameters
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    base = rope["rope_theta"]
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 

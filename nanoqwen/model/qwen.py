@@ -15,7 +15,10 @@ before RoPE and may tie the lm_head to the embedding (`ModelConfig`'s switches).
 
 A decoder layer is two *kinds* composed: a mixer (what lets tokens see each other) and an
 MLP. `LAYER_KINDS` names each kind's module; a model's config says which kinds each layer
-has, and only the kinds a model uses are imported. Dense Qwen2/Qwen3 use the two below.
+has, and only the kinds a model uses are imported. Dense Qwen2/Qwen3 use the two below;
+the MoE models' experts (`moe.py`), and the hybrid models' gated attention and Gated
+DeltaNet (`gated_attention.py`, `gated_deltanet.py`), whose per-request state the step's
+`LayerInputs.states` carries, have modules of their own.
 
 Split across ranks, this same code builds one rank's slice: the layers (`layers.py`)
 decide which heads, channels and vocabulary rows, and add up partial results themselves.
@@ -51,10 +54,15 @@ from nanoqwen.model.layers import (
 )
 
 # Each layer kind: the attribute a decoder layer holds it in (its name in checkpoints) and
-# its module, imported only by models that use it.
+# what builds it from `(config, layer)`, in a module imported only by models that use it.
 LAYER_KINDS: dict[str, tuple[str, str]] = {
     "attention": ("self_attn", "nanoqwen.model.qwen:Attention"),
+    "gated_attention": ("self_attn", "nanoqwen.model.gated_attention:gated_attention"),
+    "linear_attention": ("linear_attn", "nanoqwen.model.gated_deltanet:gated_deltanet"),
     "mlp": ("mlp", "nanoqwen.model.qwen:MLP"),
+    "sparse_moe": ("mlp", "nanoqwen.model.moe:sparse_moe_block"),
+    "rms_norm": ("", "nanoqwen.model.layers:RMSNorm"),
+    "zero_centered_rms_norm": ("", "nanoqwen.model.gated_attention:ZeroCenteredRMSNorm"),
 }
 
 
@@ -127,9 +135,10 @@ class DecoderLayer(nn.Module):
         mixer_kind, mlp_kind = config.layer_kinds[layer]
         self.mixer_name, mixer = layer_kind(mixer_kind)
         mlp_name, mlp = layer_kind(mlp_kind)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        _, norm = layer_kind(config.norm_kind)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         setattr(self, self.mixer_name, mixer(config, layer))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         setattr(self, mlp_name, mlp(config, layer))
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
@@ -145,7 +154,7 @@ class QwenModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layer_kind(config.norm_kind)[1](config.hidden_size, config.rms_norm_eps)
 
 
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:

@@ -107,6 +107,12 @@ def start_ranks(config: EngineConfig, checkpoint: Checkpoint, start_runner: Runn
         return ALONE
     shape = checkpoint.model_config
     check_splittable_shape(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size)
+    if shape.moe is not None:
+        shape.moe.check_splittable(size)
+    if shape.state_layers:
+        from nanoqwen.model.gated_deltanet import check_splittable
+
+        check_splittable(shape.hf_config, size)
     check_splittable_weights(checkpoint, config.quantization)
     if dist.is_initialized():
         raise ValueError(

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from nanoqwen.attention.base import (
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.runner import StepInputs
 from nanoqwen.scheduling.scheduler import Row
+
+if TYPE_CHECKING:
+    from nanoqwen.memory.state_pool import StateStep
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,7 @@ class DecodeGraphRunner:
         int32 = {"dtype": torch.int32, "device": self.device}
         int64 = {"dtype": torch.int64, "device": self.device}
         self.input_ids = torch.zeros(largest, **int64)
+        self.state_slots = torch.zeros(largest, **int64)  # a recurrent model's rows' slots
         self.static = AttentionMetadata(
             qo_indptr=torch.zeros(largest + 1, **int32),
             kv_indptr=torch.zeros(largest + 1, **int32),
@@ -142,29 +147,35 @@ class DecodeGraphRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the sampled rows, `[S, hidden]`, of a step padded to a
         bucket."""
-        metadata = self.load(inputs)
+        metadata, states = self.load(inputs)
         self.backend.plan(metadata)
         graph = self.graphs.get(inputs.bucket)
         if graph is not None:
             graph.replay()
         else:
-            self.run_model(metadata)
+            self.run_model(metadata, states)
         return self.hidden[inputs.sample_rows]
 
-    def load(self, inputs: StepInputs) -> AttentionMetadata:
-        """Copy a step into the static buffers; return its page table viewing them."""
+    def load(self, inputs: StepInputs) -> tuple[AttentionMetadata, StateStep | None]:
+        """Copy a step into the static buffers; return its page table (and the state pool's
+        part, for a model with recurrent layers) viewing them."""
         self.input_ids[: inputs.input_ids.numel()].copy_(inputs.input_ids)
         views = {}
         for name in PAGE_TABLE_TENSORS:
             step_tensor = getattr(inputs.metadata, name)
             views[name] = getattr(self.static, name)[: step_tensor.numel()]
             views[name].copy_(step_tensor)
+        states = inputs.states
+        if states is not None:
+            slots = self.state_slots[: states.slots.numel()]
+            states = dataclasses.replace(states, slots=slots.copy_(states.slots))
         # Host-side fields (sizes, the host copies flashinfer plans from) stay the step's.
-        return dataclasses.replace(inputs.metadata, **views)
+        return dataclasses.replace(inputs.metadata, **views), states
 
-    def run_model(self, metadata: AttentionMetadata) -> None:
+    def run_model(self, metadata: AttentionMetadata, states: StateStep | None) -> None:
         bucket = metadata.batch_size
-        hidden = self.model(self.input_ids[:bucket], metadata, self.backend, self.all_rows[:bucket])
+        hidden = self.model(self.input_ids[:bucket], metadata, self.backend,
+                            self.all_rows[:bucket], states)
         self.hidden[:bucket].copy_(hidden)
 
     # ----------------------------------------------------------------- start-up
@@ -195,13 +206,13 @@ class DecodeGraphRunner:
         self, step: StepInputs, stream: torch.cuda.Stream, pool: tuple[int, int] | None
     ) -> tuple[int, int]:
         """Record the forward pass of a padding step; return the graph's memory pool."""
-        metadata = self.load(step)
+        metadata, states = self.load(step)
         self.backend.plan(metadata)
         # Lazy set-up (loading kernels, creating library handles) cannot happen during a
         # capture, so run once eagerly first.
-        self.run_model(metadata)
+        self.run_model(metadata, states)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self.run_model(metadata)
+            self.run_model(metadata, states)
         self.graphs[step.bucket] = graph
         return graph.pool()

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -44,6 +44,9 @@ from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.cpu_threads import CpuThreads
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.scheduler import Row
+
+if TYPE_CHECKING:
+    from nanoqwen.memory.state_pool import StateCache, StateStep
 
 # What a padding row feeds the model. Any valid id does: its result is never read.
 PADDING_TOKEN_ID = 0
@@ -66,6 +69,7 @@ class StepInputs:
     # The decode batch size this step is padded to and replayed through the static buffers
     # (a CUDA graph, where there are graphs); 0: the step runs eagerly.
     bucket: int = 0
+    states: StateStep | None = None  # the state pool's part, for models with recurrent layers
 
 
 class GraphRunner(Protocol):
@@ -112,6 +116,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.choose_tokens: TokenChooser = sample_one_each
         self.output_hooks: list[OutputHook] = []
+        self.states: StateCache | None = None  # the state pool, for recurrent layers
         self.cpu_threads = CpuThreads(self.device)
         self.on_device = on_device(self.device)
 
@@ -126,22 +131,31 @@ class ModelRunner:
         """The rows as flat tensors, padded to their graph bucket (or to `bucket`)."""
         if bucket is None:
             bucket = self.graphs.bucket_for(rows) if self.graphs else 0
+        extra = []
         if self.output_hooks:  # extra rows run eagerly: graphs compute the sampled ones
             extra = [hook.extra_rows(rows, row_starts(rows)) for hook in self.output_hooks]
             bucket = 0 if any(extra) else bucket
-            return lay_out(rows, self.kv_cache.page_size, self.layout_device, bucket, extra)
-        return lay_out(rows, self.kv_cache.page_size, self.layout_device, bucket)
+        step = lay_out(rows, self.kv_cache.page_size, self.layout_device, bucket, extra)
+        if self.states is not None:
+            from nanoqwen.memory.state_pool import lay_out_states
+
+            step.states = lay_out_states(rows, bucket)
+        return step
 
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         """Logits of the sampled rows, `[S, vocab]` (None on ranks other than 0). Output
         hooks get what they asked for on the way."""
+        states = None if self.states is None else self.states.before(step.states)
         with self.cpu_threads.step():
             if step.bucket:
                 hidden = self.graphs.forward(step)
             else:
                 self.backend.plan(step.metadata)
-                hidden = self.model(step.input_ids, step.metadata, self.backend, step.sample_rows)
+                hidden = self.model(step.input_ids, step.metadata, self.backend, step.sample_rows,
+                                    states)
             logits = self.model.compute_logits(hidden)
+        if states is not None:
+            self.states.after(states)
         if self.output_hooks and logits is not None:
             self._hand_out(step, hidden, logits)
         return logits if logits is None else logits[: step.num_sampled]
@@ -156,7 +170,13 @@ class ModelRunner:
         """Record the decode graphs, from padding steps laid out like any other."""
         if self.graphs is not None:
             with self.on_device:
-                self.graphs.capture_all(lambda bucket: self.prepare([], bucket))
+                self.graphs.capture_all(self._padding_step)
+
+    def _padding_step(self, bucket: int) -> StepInputs:
+        step = self.prepare([], bucket)
+        if self.states is not None:
+            self.states.before(step.states)
+        return step
 
 
 def row_starts(rows: Sequence[Row]) -> list[int]:

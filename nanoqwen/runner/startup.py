@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -34,9 +35,14 @@ from nanoqwen.runner.runner import ModelRunner, on_device
 from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.loader import load_model
 
+if TYPE_CHECKING:
+    from nanoqwen.memory.state_pool import StateCache
+
 # On the CPU the cache shares RAM with everything else: by default it takes at most this
 # share of the machine's RAM.
 CPU_KV_CACHE_FRACTION = 0.2
+# The fewest slots a state pool has: two running requests, a snapshot for each.
+MIN_STATE_SLOTS = 4
 
 
 # How a runner is made from its parts (rank 0 of a split model makes its own kind).
@@ -59,14 +65,20 @@ def start_runners(
     with on_device(device):
         with split_across(tp):
             models = [load_model(c, settings.dtype, device, settings.quantization) for c in checkpoints]
+            states = state_shapes(models[0], settings.dtype)
         backend_class = attention_backend_class(
             settings.attention_backend, models[0].attention_shape, settings.page_size,
             settings.dtype, settings.kv_storage_dtype, device,
         )
         buckets = decode_buckets(settings, models[0], backend_class, device)
-        parts = RunnerParts(settings, backend_class, buckets)
-        num_pages = agree(kv_pages(models, parts, device, tp.size, max_proposed))
-        runners = [parts.runner(model, num_pages, make) for model in models]
+        parts = RunnerParts(settings, backend_class, buckets, states)
+        memory = cache_memory(models, parts, device, tp.size, max_proposed)
+        num_slots = agree(state_slots(settings, memory, parts.slot_bytes()))
+        page_bytes = sum(parts.page_bytes(model) for model in models)
+        num_pages = settings.num_pages or max(
+            2, int((memory - num_slots * parts.slot_bytes()) // page_bytes) + 1
+        )
+        runners = [parts.runner(model, agree(num_pages), make, num_slots) for model in models]
     for runner in runners:
         runner.capture_graphs()  # on the runner's own device
     return runners
@@ -74,13 +86,18 @@ def start_runners(
 
 @dataclass(frozen=True)
 class RunnerParts:
-    """How a runner is put together around a model: its backend and graph buckets."""
+    """How a runner is put together around a model: its backend, graph buckets and, for a
+    model with recurrent layers, the shape of one slot of its state pool."""
 
     settings: RunnerSettings
     backend_class: type[AttentionBackend]
     buckets: list[int]
+    states: StateLayers | None = None
 
-    def runner(self, model: QwenForCausalLM, num_pages: int, make: RunnerFactory = ModelRunner) -> ModelRunner:
+    def runner(
+        self, model: QwenForCausalLM, num_pages: int, make: RunnerFactory = ModelRunner,
+        num_state_slots: int = 0,
+    ) -> ModelRunner:
         shape, settings = model.attention_shape, self.settings
         kv_cache = make_kv_cache(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, settings.page_size, num_pages,
@@ -93,7 +110,14 @@ class RunnerParts:
             from nanoqwen.runner.cuda_graph import DecodeGraphRunner
 
             graphs = DecodeGraphRunner(model, backend, self.buckets, settings.max_model_len)
-        return make(model, backend, graphs)
+        runner = make(model, backend, graphs)
+        if num_state_slots:
+            runner.states = self.states.cache(num_state_slots, model.lm_head.weight.device)
+        return runner
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of the state pool (0: the model keeps no states)."""
+        return 0 if self.states is None else self.states.bytes_per_slot()
 
     def page_bytes(self, model: QwenForCausalLM) -> int:
         shape = model.attention_shape
@@ -103,40 +127,83 @@ class RunnerParts:
         )
 
 
-def kv_pages(
+def cache_memory(
     models: Sequence[QwenForCausalLM], parts: RunnerParts, device: torch.device, num_ranks: int,
     max_proposed: int,
-) -> int:
-    """How many pages each model's cache gets (the scratch page included)."""
+) -> float:
+    """Bytes for the models' KV caches (and state pool), this rank's share."""
     settings = parts.settings
-    if settings.num_pages is not None:
-        return settings.num_pages
     page_bytes = sum(parts.page_bytes(model) for model in models)
     memory = settings.kv_cache_memory
+    if settings.num_pages is not None:
+        return (settings.num_pages - 1) * page_bytes  # as asked; a state pool comes beside
     if device.type == "cuda" and (memory is None or memory <= 1):
         from nanoqwen.runner.memory_profile import gpu_kv_memory_for
 
-        memory = gpu_kv_memory_for(models, parts.runner, parts.backend_class, len(parts.buckets),
-                                   settings, device, max_proposed)
-    elif memory is None or memory <= 1:
+        return gpu_kv_memory_for(models, parts.runner, parts.backend_class, len(parts.buckets),
+                                 settings, device, max_proposed)
+    if memory is None or memory <= 1:
         ram = psutil.virtual_memory()  # the ranks of a split model share it
-        memory = cpu_kv_memory(ram.total / num_ranks, ram.available / num_ranks, memory,
-                               settings, page_bytes)
-    return max(2, int(memory // page_bytes) + 1)
+        return cpu_kv_memory(ram.total / num_ranks, ram.available / num_ranks, memory,
+                             settings, page_bytes, parts.slot_bytes())
+    return memory
+
+
+def state_slots(settings: RunnerSettings, memory: float, slot_bytes: int) -> int:
+    """Slots of the state pool, for a model with recurrent layers (else 0): one per running
+    request and as many for snapshots (`memory/state_pool.py`), within half of the cache's
+    memory, and at least `MIN_STATE_SLOTS`. A slot costs what a few thousand tokens of K/V
+    do, so a long-context model's pool is mostly pages either way."""
+    if not slot_bytes:
+        return 0
+    return max(MIN_STATE_SLOTS, min(2 * settings.max_num_seqs, int(memory / 2 // slot_bytes)))
 
 
 def cpu_kv_memory(
     total: float, available: float, fraction: float | None, settings: RunnerSettings,
-    page_bytes: int,
+    page_bytes: int, slot_bytes: int = 0,
 ) -> float:
     """Bytes for the cache on a CPU with `total` bytes of RAM, `available` of them free:
-    `fraction` of what is available, or what every sequence at full length needs, at most
-    `CPU_KV_CACHE_FRACTION` of the total."""
+    `fraction` of what is available, or what every sequence at full length needs (with two
+    state slots each, for a model that keeps states), at most `CPU_KV_CACHE_FRACTION` of
+    the total."""
     if fraction is not None:
         return fraction * available
     pages_per_sequence = -(-settings.max_model_len // settings.page_size)
-    every_sequence_full = settings.max_num_seqs * pages_per_sequence * page_bytes
+    every_sequence_full = settings.max_num_seqs * (pages_per_sequence * page_bytes + 2 * slot_bytes)
     return min(CPU_KV_CACHE_FRACTION * total, every_sequence_full)
+
+
+@dataclass(frozen=True)
+class StateLayers:
+    """A model's recurrent layers: how many, and the shape of one slot of each."""
+
+    num_layers: int
+    conv: tuple[int, ...]
+    conv_dtype: torch.dtype
+    recurrent: tuple[int, ...]
+
+    def bytes_per_slot(self) -> int:
+        from nanoqwen.memory.state_pool import StateCache
+
+        return StateCache.bytes_per_slot(self.num_layers, self.conv, self.conv_dtype, self.recurrent)
+
+    def cache(self, num_slots: int, device: torch.device) -> StateCache:
+        from nanoqwen.memory.state_pool import StateCache
+
+        return StateCache(self.num_layers, num_slots, self.conv, self.conv_dtype, self.recurrent,
+                          device)
+
+
+def state_shapes(model: QwenForCausalLM, dtype: torch.dtype) -> StateLayers | None:
+    """The recurrent layers of `model` (this rank's share), or None if it has none."""
+    config = model.config
+    if not config.state_layers:
+        return None
+    from nanoqwen.model.gated_deltanet import deltanet_state_shapes
+
+    shapes = deltanet_state_shapes(config.hf_config, dtype)
+    return StateLayers(len(config.state_layers), shapes.conv, shapes.conv_dtype, shapes.recurrent)
 
 
 def make_kv_cache(

@@ -62,6 +62,7 @@ class Request:
     finish_reason: str | None = None
     priority: int = 0  # lower is more urgent
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
+    state_slot: int | None = None  # its slot of the state pool (models with recurrent layers)
     # What optional features keep on a request (see the module docstring).
     grammar: Any = None  # an xgrammar matcher, iff params.structured_output is set
     pooling: Any = None  # PoolingParams: an embedding request, no text

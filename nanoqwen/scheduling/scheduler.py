@@ -37,6 +37,7 @@ from operator import attrgetter
 
 from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
+from nanoqwen.memory.state_pool import StateSlots
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.waiting_queue import WaitingQueue, urgency
 
@@ -48,12 +49,17 @@ URGENCY = attrgetter("urgency")
 class Row:
     """One request's part of a step: `token_ids` at positions `start, start + 1, ...`, the
     last `num_sampled` of which have their logits sampled (1 when the step reaches the
-    request's last token, 0 for a prompt chunk that stops short of it)."""
+    request's last token, 0 for a prompt chunk that stops short of it). A model with
+    recurrent layers also gets the request's state slot, where it starts from, and where
+    to save it after the step (`memory/state_pool.py`)."""
 
     request: Request
     start: int
     token_ids: list[int]
     num_sampled: int
+    state_slot: int | None = None
+    state_source: int | None = None
+    state_save: int | None = None
 
 
 @dataclass
@@ -66,13 +72,6 @@ class Schedule:
     out_of_memory: list[Request] = field(default_factory=list)
 
 
-def row_for(request: Request, num_new: int) -> Row:
-    """The row that computes `request`'s next `num_new` tokens."""
-    start = request.num_computed_tokens
-    end = start + num_new
-    return Row(request, start, request.token_ids[start:end], int(end == request.num_tokens))
-
-
 class Scheduler:
     def __init__(
         self,
@@ -82,9 +81,11 @@ class Scheduler:
         chunk_size: int,
         policy: str = "fcfs",
         aging_steps: int = 0,
+        states: StateSlots | None = None,  # the state pool's slots, for recurrent layers
     ) -> None:
         self.allocator = allocator
         self.cache = cache
+        self.states = states
         self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size
@@ -115,6 +116,8 @@ class Scheduler:
     def _release_pages(self, request: Request) -> None:
         self._offer_to_cache(request)
         self.allocator.release(request.pages)
+        if request.state_slot is not None:
+            self.states.release(request)
         request.pages = []
         request.num_computed_tokens = 0
         request.num_pages_in_cache = 0
@@ -133,6 +136,8 @@ class Scheduler:
     # ----------------------------------------------------------------- the step
     def schedule(self) -> Schedule:
         self.num_steps += 1
+        if self.states is not None:
+            self.states.new_step()
         schedule = Schedule()
         budget = self._schedule_running(schedule, self.chunk_size)
         self._admit_waiting(schedule.rows, budget)
@@ -147,9 +152,11 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            if self.states is not None:
+                num_new = self.states.chunk_end(request, request.num_computed_tokens, num_new)
             if not self._grow_or_preempt(request, request.num_computed_tokens + num_new, schedule):
                 continue  # `request` itself was preempted or finished: the list shifted
-            schedule.rows.append(row_for(request, num_new))
+            schedule.rows.append(self._row(request, num_new))
             budget -= num_new if remaining > 1 else 0
             index += 1
         return budget
@@ -214,6 +221,11 @@ class Scheduler:
         pages if it outranks them. False means stop admitting (no room for it)."""
         reusable = request.token_ids[: request.num_reusable_tokens]
         pages = self.cache.match(reusable) if self.cache else []
+        source = None
+        if self.states is not None:  # the state must be had where the reused pages end
+            keep, source = self.states.restore_point(request.token_ids, len(pages))
+            self.allocator.release(pages[keep:])
+            del pages[keep:]
         num_cached = len(pages) * self.page_size
         if self._next_page_in_flight(request, num_cached):
             self.allocator.release(pages)
@@ -222,9 +234,13 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:  # `_admit_waiting` checked it outranks
             self._preempt(self.running[-1], "max_num_seqs", rows)
         num_new = min(request.num_tokens - num_cached, budget)
+        if self.states is not None:
+            num_new = self.states.chunk_end(request, num_cached, num_new)
         request.pages, request.num_computed_tokens = pages, num_cached
         request.num_pages_in_cache = len(pages)
-        while not self._grow(request, num_cached + num_new):
+        while not self._grow(request, num_cached + num_new) or (
+            self.states is not None and request.state_slot is None and not self.states.take(request)
+        ):
             if not self._outranks_running(request):
                 self.allocator.release(request.pages)
                 request.pages, request.num_computed_tokens, request.num_pages_in_cache = [], 0, 0
@@ -237,8 +253,18 @@ class Scheduler:
                 self.cache.record_query(len(request.prompt_token_ids), num_cached)
         request.status = Status.RUNNING
         bisect.insort(self.running, request, key=URGENCY)
-        rows.append(row_for(request, num_new))
+        rows.append(self._row(request, num_new, source))
         return True
+
+    def _row(self, request: Request, num_new: int, state_source: int | None = None) -> Row:
+        """The row that computes `request`'s next `num_new` tokens (with, for a model that
+        keeps states, where its state starts from: `state_source`, when admitted)."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        row = Row(request, start, request.token_ids[start:end], int(end == request.num_tokens))
+        if self.states is not None:
+            self.states.fill(row, state_source)
+        return row
 
     def _next_page_in_flight(self, request: Request, start: int) -> bool:
         """Is another running request about to compute the page `request` needs next?"""
@@ -258,6 +284,8 @@ class Scheduler:
         for row in rows:
             row.request.num_computed_tokens = row.start + len(row.token_ids)
             self._offer_to_cache(row.request)
+        if self.states is not None:
+            self.states.saved(rows)
 
     # ----------------------------------------------------------------- for features
     def reserve(self, request: Request, num_tokens: int) -> int:

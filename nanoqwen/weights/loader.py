@@ -109,13 +109,21 @@ def load_model(
 def checkpoint_tensors(
     checkpoint: Checkpoint, params: dict[str, object]
 ) -> Iterator[tuple[str, TensorSlice]]:
-    """The checkpoint's tensors by name, each read as its format stores it."""
+    """The checkpoint's tensors by name, each read as its format stores it (a sparse model's
+    stacked experts as one view per expert, `model/moe.py`'s `split_expert_stacks`)."""
+    config = checkpoint.model_config
     if checkpoint.is_gguf:
         from nanoqwen.weights.gguf import iter_gguf_tensors
 
-        config = checkpoint.model_config
-        return iter_gguf_tensors(checkpoint.path, checkpoint_names(params), config.num_layers)
-    return iter_checkpoint(checkpoint.path, checkpoint.packed)
+        tensors = iter_gguf_tensors(checkpoint.path, checkpoint_names(params), config.num_layers)
+    else:
+        tensors = iter_checkpoint(checkpoint.path, checkpoint.packed)
+    if config.moe is None:
+        return tensors
+    from nanoqwen.model.moe import split_expert_stacks
+
+    return (piece for name, source in tensors
+            for piece in split_expert_stacks(name, source, config.moe))
 
 
 def weight_form(
@@ -242,6 +250,14 @@ def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:
     """transformers' parameter name → (our parameter name or None to skip, block index)."""
     if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
         return None, 0  # computed buffers, or a copy of the embedding we already tie to
+    if name.startswith("mtp."):
+        return None, 0  # Qwen3-Next's multi-token-prediction head, which nothing here runs
+    if config.moe is not None:
+        from nanoqwen.model.moe import moe_checkpoint_name
+
+        expert = moe_checkpoint_name(name, config.moe)
+        if expert is not None:
+            return expert
     for part, (_, block) in FUSED.items():
         if f".{part}." in name:
             return fused_name(name), block
