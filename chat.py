@@ -74,8 +74,8 @@ from nanoqwen.cli import (
 from nanoqwen.config import resolve_device
 from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
 from nanoqwen.text.chat_template import default_system_prompt
+from nanoqwen.text.generation_config import FALLBACK_SAMPLING
 from nanoqwen.text.stop_strings import partial_match_length
-from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 
 try:  # not on every platform; where present, input() gets line editing and history

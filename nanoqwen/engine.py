@@ -32,7 +32,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nanoqwen.config import EngineConfig, RunnerSettings
+from nanoqwen.config import EngineConfig
 from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
 from nanoqwen.model.config import resolve_max_model_len
@@ -94,7 +94,7 @@ class LLMEngine:
             self.tokenizer.sampling_defaults if config.generation_config == "auto" else {}
         )
         check_defaults(self.sampling_defaults)
-        settings = runner_settings(config, self.max_model_len)
+        settings = config.runner_settings(self.max_model_len)
         self.step_hooks: list[StepHook] = []
         self.workers = None  # rank 0's handle on the other ranks of a split model
         if config.tensor_parallel_size > 1:
@@ -104,12 +104,6 @@ class LLMEngine:
         elif config.speculative is not None:
             from nanoqwen.speculative.proposers import start_speculation
 
-            if self.model_config.state_layers:
-                raise ValueError(
-                    "speculative decoding does not run on models with recurrent layers "
-                    "(Qwen3-Next, Qwen3.5): their state would have to be kept after every "
-                    "guessed token, to go back to the last accepted one"
-                )
             self.runner, hook = start_speculation(config, checkpoint, self.tokenizer, settings)
             self.step_hooks.append(hook)
         else:
@@ -343,16 +337,3 @@ class LLMEngine:
         """Stop the other ranks of a split model, if any (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
-
-
-def runner_settings(config: EngineConfig, max_model_len: int) -> RunnerSettings:
-    """The engine settings start-up and the runner use."""
-    return RunnerSettings(
-        device=config.device, dtype=config.dtype, page_size=config.page_size,
-        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-        chunk_size=config.chunk_size, kv_storage_dtype=config.kv_storage_dtype,
-        quantization=config.quantization, attention_backend=config.attention_backend,
-        decode_buckets=config.decode_buckets, enforce_eager=config.enforce_eager,
-        num_pages=config.num_pages, kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-    )

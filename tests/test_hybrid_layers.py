@@ -16,12 +16,12 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-
-import pytest
 from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors import safe_open
+from steps import step_of
 from torch import nn
 from transformers import (
     Qwen3_5ForCausalLM,
@@ -53,7 +53,8 @@ from nanoqwen.model.gated_deltanet import (
     StateShapes,
     deltanet_state_shapes,
 )
-from nanoqwen.model.layers import TensorParallel, TensorSlice, load_whole, split_across
+from nanoqwen.model.layers import TensorParallel, split_across
+from nanoqwen.model.loading import TensorSlice, load_whole
 
 LINEAR, FULL = 0, 3  # the layers of the tiny models: linear, linear, linear, full
 HIDDEN = 64
@@ -337,17 +338,7 @@ def one_request(cached: int, new: int, page_size: int) -> AttentionMetadata:
     """A step of one request on pages 1, 2, ... with `cached` tokens before its `new` ones."""
     total = cached + new
     num_pages = -(-total // page_size)
-    positions = torch.arange(cached, total)
-    return AttentionMetadata(
-        qo_indptr=torch.tensor([0, new], dtype=torch.int32),
-        kv_indptr=torch.tensor([0, num_pages], dtype=torch.int32),
-        kv_indices=torch.arange(1, num_pages + 1, dtype=torch.int32),
-        kv_last_page_len=torch.tensor([total - (num_pages - 1) * page_size], dtype=torch.int32),
-        positions=positions,
-        slot_mapping=positions + page_size,  # page p starts at slot p * page_size
-        max_q_len=new,
-        max_kv_len=total,
-    )
+    return step_of([(cached, [0] * new, list(range(1, num_pages + 1)), 1)], page_size).metadata
 
 
 def rope(checkpoint: Checkpoint, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,6 @@ from nanoqwen.attention.flashinfer_backend import FlashInferBackend
 from nanoqwen.attention.torch_backend import TorchBackend, attention_costs
 from nanoqwen.attention.torch_layout import MAX_CALL_BYTES, lay_out
 from nanoqwen.config import EngineConfig, RunnerSettings
-from nanoqwen.engine import runner_settings
 from nanoqwen.runner.cuda_graph import default_buckets
 from nanoqwen.runner.memory_profile import (
     Overhead,
@@ -182,7 +181,7 @@ def throwaway_runners(
 
 
 def settings_of(engine: LLMEngine) -> RunnerSettings:
-    return runner_settings(engine.config, engine.max_model_len)
+    return engine.config.runner_settings(engine.max_model_len)
 
 
 def profile(

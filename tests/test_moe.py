@@ -34,13 +34,16 @@ from transformers import (
 )
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeSparseMoeBlock,
+)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-from nanoqwen.model.layers import TensorParallel, TensorSlice, split_across
+from nanoqwen.model.config import MoeShape
+from nanoqwen.model.layers import TensorParallel, split_across
+from nanoqwen.model.loading import TensorSlice
 from nanoqwen.model.moe import (
-    MoeShape,
     SparseMoeBlock,
     moe_checkpoint_name,
     moe_gguf_name,

@@ -33,7 +33,8 @@ from torch.distributed.run import main as torchrun
 from nanoqwen import LLM, SamplingParams, StepError
 from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.layers import TensorParallel, TensorSlice, split_across
+from nanoqwen.model.layers import TensorParallel, split_across
+from nanoqwen.model.loading import TensorSlice
 from nanoqwen.parallel.launch import check_splittable_shape
 from nanoqwen.parallel.step_broadcast import STEP_WIRE, step_from_wire, step_to_wire
 from nanoqwen.parallel.workers import WorkerFailure

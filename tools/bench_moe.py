@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from nanoqwen.model.moe import MoeShape, SparseMoeBlock
+from nanoqwen.model.config import MoeShape
+from nanoqwen.model.moe import SparseMoeBlock
 
 SHAPE = MoeShape(
     hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

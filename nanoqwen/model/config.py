@@ -20,14 +20,10 @@ recurrent state (`state_layers`) have a slot in the state pool (`memory/state_po
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
 
 from nanoqwen.attention.base import AttentionShape
-
-if TYPE_CHECKING:
-    from nanoqwen.model.moe import MoeShape
 
 DENSE_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -37,6 +33,52 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 # Mixer kinds that keep K/V in the paged cache, and those with a recurrent state instead.
 ATTENTION_KINDS = ("attention", "gated_attention")
 STATE_KINDS = ("linear_attention",)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A sparse model's experts, and which decoder layers have them."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int  # k, the experts each token is routed to
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    norm_topk_prob: bool  # renormalise the k routing weights to sum to 1
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen3-MoE)
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf_config: PretrainedConfig) -> MoeShape | None:
+        """The shape a transformers config describes; None for a dense model."""
+        hf = hf_config.get_text_config()  # Qwen3.5-MoE nests the decoder's config
+        if not getattr(hf, "num_experts", 0):
+            return None
+        if hf.hidden_act != "silu":
+            raise ValueError(f"unsupported expert activation {hf.hidden_act!r}: nanoqwen runs silu")
+        return cls(
+            hidden_size=hf.hidden_size,
+            num_experts=hf.num_experts,
+            num_experts_per_tok=hf.num_experts_per_tok,
+            moe_intermediate_size=hf.moe_intermediate_size,
+            # Qwen3.5-MoE has no such switches: it always renormalises, and every layer is sparse.
+            norm_topk_prob=getattr(hf, "norm_topk_prob", True),
+            shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0),
+            decoder_sparse_step=getattr(hf, "decoder_sparse_step", 1),
+            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Does decoder layer `layer` (from 0) have the sparse block, or a dense MLP of the
+        config's `intermediate_size`? transformers' rule, the same for every Qwen MoE."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def check_splittable(self, ranks: int) -> None:
+        """A ValueError unless `ranks` ranks can each keep an equal slice of every expert."""
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            size = getattr(self, name)
+            if size % ranks:
+                raise ValueError(f"{ranks} ranks must divide the model's {name}={size}")
 
 
 @dataclass(frozen=True)
@@ -91,11 +133,7 @@ class ModelConfig:
                 + ", ".join(SUPPORTED_ROPE_TYPES)
             )
         is_qwen3 = architecture.startswith("Qwen3")
-        moe = None
-        if architecture not in DENSE_ARCHITECTURES:
-            from nanoqwen.model.moe import MoeShape
-
-            moe = MoeShape.from_hf(hf)
+        moe = None if architecture in DENSE_ARCHITECTURES else MoeShape.from_hf(hf)
         hybrid = architecture in HYBRID_ARCHITECTURES
         return cls(
             architecture=architecture,

@@ -51,14 +51,14 @@ from nanoqwen.model.layers import (
     Split,
     current_group,
     normalize,
-    read_block,
 )
+from nanoqwen.model.loading import read_block
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from nanoqwen.model.config import ModelConfig
-    from nanoqwen.model.layers import TensorSlice
+    from nanoqwen.model.loading import TensorSlice
     from nanoqwen.model.qwen import LayerInputs
 
 

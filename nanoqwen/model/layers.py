@@ -13,8 +13,8 @@ one-device model:
   other ids, the lm_head's logits are joined on rank 0.
 
 With one rank every split is the whole weight and every collective is skipped. Each split
-parameter is loaded by its layer's `load_block`, which reads only its slice of the
-checkpoint tensor, so no rank ever holds a full weight it does not keep.
+parameter is loaded by its layer's `load_block` (`loading.py`), which reads only its slice
+of the checkpoint tensor, so no rank ever holds a full weight it does not keep.
 
 Invariant: the ranks' slices of a weight cover it exactly (KV heads fewer than the ranks
 are replicated), and after every all-reduce all ranks hold the same hidden state. The
@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,13 +35,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanoqwen.attention.base import AttentionMetadata
-
-
-class TensorSlice(Protocol):
-    """A checkpoint tensor that reads only the part it is indexed with (safetensors'
-    `get_slice(name)`; a plain tensor works too)."""
-
-    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+from nanoqwen.model.loading import TensorSlice, copy_checked, read_block
 
 
 @dataclass(frozen=True)
@@ -166,36 +159,6 @@ class Split:
         return Split(tp.rank * length, length)
 
 
-def read_block(
-    param: torch.Tensor, source: TensorSlice, block: int, splits: Sequence[Split], dim: int
-) -> torch.Tensor:
-    """Copy this rank's part of checkpoint block `block` (its `splits[block]` along `dim`)
-    into the parameter's rows for that block; return the rows written."""
-    split = splits[block]
-    offset = sum(s.length for s in splits[:block]) if dim == 0 else 0
-    index = (slice(None),) * dim + (slice(split.start, split.start + split.length),)
-    target = param.data.narrow(dim, offset, split.length) if dim == 0 else param.data
-    copy_checked(target, source[index])
-    return target
-
-
-def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ShapeMismatch(tuple(tensor.shape), tuple(target.shape))
-    target.copy_(tensor)
-
-
-class ShapeMismatch(ValueError):
-    def __init__(self, checkpoint: tuple[int, ...], expected: tuple[int, ...]) -> None:
-        super().__init__(f"checkpoint has {checkpoint}, model expects {expected}")
-
-
-def load_whole(param: torch.Tensor, source: TensorSlice, block: int) -> torch.Tensor:
-    """How a parameter every rank keeps whole (a norm's) is loaded."""
-    copy_checked(param.data, source[:])
-    return param.data
-
-
 class ColumnParallelLinear(nn.Linear):
     """`x @ W.T` for this rank's output rows: one `Split` per fused checkpoint block."""
 
@@ -219,10 +182,8 @@ class RowParallelLinear(nn.Linear):
         return read_block(param, source, 0, [self.in_split], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        if self.tp.size > 1:  # each rank's columns give a partial sum of the output: add them up
-            dist.all_reduce(out)
-        return out
+        # Each rank's columns give a partial sum of the output; add them up.
+        return self.tp.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):

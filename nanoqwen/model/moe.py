@@ -48,72 +48,23 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
+from nanoqwen.model.config import ModelConfig, MoeShape
 from nanoqwen.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     Split,
-    copy_checked,
     current_group,
-    read_block,
 )
+from nanoqwen.model.loading import copy_checked, read_block
 
 if TYPE_CHECKING:
-    from nanoqwen.model.config import ModelConfig
-    from nanoqwen.model.layers import TensorSlice
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """A sparse model's experts, and which decoder layers have them."""
-
-    hidden_size: int
-    num_experts: int
-    num_experts_per_tok: int  # k, the experts each token is routed to
-    moe_intermediate_size: int  # each expert's SwiGLU width
-    norm_topk_prob: bool  # renormalise the k routing weights to sum to 1
-    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen3-MoE)
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-
-    @classmethod
-    def from_hf(cls, hf_config: PretrainedConfig) -> MoeShape | None:
-        """The shape a transformers config describes; None for a dense model."""
-        hf = hf_config.get_text_config()  # Qwen3.5-MoE nests the decoder's config
-        if not getattr(hf, "num_experts", 0):
-            return None
-        if hf.hidden_act != "silu":
-            raise ValueError(f"unsupported expert activation {hf.hidden_act!r}: nanoqwen runs silu")
-        return cls(
-            hidden_size=hf.hidden_size,
-            num_experts=hf.num_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.moe_intermediate_size,
-            # Qwen3.5-MoE has no such switches: it always renormalises, and every layer is sparse.
-            norm_topk_prob=getattr(hf, "norm_topk_prob", True),
-            shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0),
-            decoder_sparse_step=getattr(hf, "decoder_sparse_step", 1),
-            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
-        )
-
-    def is_sparse(self, layer: int) -> bool:
-        """Does decoder layer `layer` (from 0) have the sparse block, or a dense MLP of the
-        config's `intermediate_size`? transformers' rule, the same for every Qwen MoE."""
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-    def check_splittable(self, ranks: int) -> None:
-        """A ValueError unless `ranks` ranks can each keep an equal slice of every expert."""
-        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-            size = getattr(self, name)
-            if size % ranks:
-                raise ValueError(f"{ranks} ranks must divide the model's {name}={size}")
+    from nanoqwen.model.loading import TensorSlice
 
 
 def sparse_moe_block(config: ModelConfig, layer: int) -> SparseMoeBlock:

@@ -179,16 +179,11 @@ def _drop_below_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
 def draw(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
     """One token per row of ``probs`` (``[B, vocab]``, not necessarily normalised), each
     row drawn with its request's random stream. Overwrites ``probs``."""
-    noise = _random_rows(probs.shape[-1], requests, probs.device, torch.Tensor.exponential_)
+    noise = random_rows(probs.shape[-1], requests, probs.device, torch.Tensor.exponential_)
     return probs.div_(noise).max(dim=-1).indices
 
 
-def uniform_noise(requests: Sequence[SamplingRequest], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) number per request, ``[B]``, each from its request's random stream."""
-    return _random_rows(1, requests, device, torch.Tensor.uniform_)[:, 0]
-
-
-def _random_rows(
+def random_rows(
     width: int, requests: Sequence[SamplingRequest], device: torch.device, fill: Callable
 ) -> torch.Tensor:
     """``[len(requests), width]`` float32 noise made by ``fill(tensor, generator=...)`` (an

@@ -308,6 +308,12 @@ def start_speculation(
 ) -> tuple[ModelRunner, Speculation]:
     """The target's runner and the step hook `config` asks for. A draft model is loaded
     beside the target, its KV cache sized and allocated with the target's."""
+    if checkpoint.model_config.state_layers:
+        raise ValueError(
+            "speculative decoding does not run on models with recurrent layers (Qwen3-Next, "
+            "Qwen3.5): their state would have to be kept after every guessed token, to go "
+            "back to the last accepted one"
+        )
     k = config.num_speculative_tokens
     if config.speculative == "ngram":
         (runner,) = start_runners([checkpoint], settings, max_proposed=k)

@@ -32,11 +32,16 @@ from nanoqwen.sampling.sampler import (
     SamplingRequest,
     draw,
     filtered_probs,
+    random_rows,
     to_device,
-    uniform_noise,
 )
 from nanoqwen.scheduling.request import Request
 from nanoqwen.scheduling.scheduler import Row
+
+
+def uniform_noise(requests: Sequence[SamplingRequest], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) number per request, ``[B]``, each from its request's random stream."""
+    return random_rows(1, requests, device, torch.Tensor.uniform_)[:, 0]
 
 
 def drafts_of(row: Row) -> list[int]:

@@ -3,7 +3,7 @@
 Encoding belongs to the model's own tokenizer: `Tokenizer` wraps `transformers.AutoTokenizer`
 (built from the checkpoint's tokenizer files, or a GGUF file's metadata) and adds what an
 engine needs besides: the chat template rendered straight to ids, the end-of-sequence ids
-and the sampling settings of `generation_config.json`.
+and the sampling settings of `generation_config.json` (`generation_config.py`).
 
 Decoding while streaming is the subtle half, `IncrementalDetokenizer`, one per request.
 Two things can make the text of the tokens generated so far *not yet final*:
@@ -29,15 +29,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from nanoqwen.text.generation_config import (
+    read_eos_token_ids,
+    read_generation_config,
+    sampling_defaults,
+)
 from nanoqwen.weights.formats import is_gguf_file
 
-# The generation_config.json fields that are sampling settings, named as in SamplingParams.
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# For checkpoints that publish no sampling settings: Qwen3's published chat settings.
-FALLBACK_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 # Byte-level BPE writes byte b as the printable character bytes_to_unicode()[b].
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 REPLACEMENT_CHAR = "\ufffd"
@@ -59,10 +60,10 @@ class Tokenizer:
             generation_config = {}
         else:
             self._hf = AutoTokenizer.from_pretrained(path)
-            generation_config = _read_generation_config(path)
-        self.eos_token_ids = _read_eos_token_ids(generation_config, self._hf.eos_token_id)
+            generation_config = read_generation_config(path)
+        self.eos_token_ids = read_eos_token_ids(generation_config, self._hf.eos_token_id)
         # Sampling settings a request doesn't give itself (`SamplingParams` keywords).
-        self.sampling_defaults: dict[str, Any] = _sampling_defaults(generation_config)
+        self.sampling_defaults: dict[str, Any] = sampling_defaults(generation_config)
         # Streaming decodes a few tokens per request per step. The Rust tokenizer does that
         # in a third of the time transformers' wrapper takes, which adds only an optional
         # clean-up pass (off for Qwen's byte-level BPE): `decode_ids(ids,
@@ -135,40 +136,6 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
-
-
-def _read_generation_config(path: str | Path) -> dict[str, Any]:
-    """The settings `generation_config.json` spells out (none of transformers' defaults)."""
-    try:
-        return GenerationConfig.from_pretrained(path).to_diff_dict()
-    except OSError:  # the checkpoint has no generation_config.json
-        return {}
-
-
-def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """The model's recommended sampling settings, as `SamplingParams` keywords: what the
-    checkpoint publishes (as vLLM reads it), `FALLBACK_SAMPLING` if nothing, and
-    temperature 0 for one that asks for greedy decoding (`do_sample: false`)."""
-    if generation_config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    published = {
-        name: generation_config[name] for name in SAMPLING_DEFAULT_FIELDS if name in generation_config
-    }
-    return published or dict(FALLBACK_SAMPLING)
-
-
-def _read_eos_token_ids(
-    generation_config: dict[str, Any], tokenizer_eos_id: int | None
-) -> frozenset[int]:
-    """Chat checkpoints end a turn with one token and a document with another, and list both
-    in `generation_config.json`; the tokenizer knows only one. Use all of them."""
-    eos_ids = set() if tokenizer_eos_id is None else {tokenizer_eos_id}
-    configured = generation_config.get("eos_token_id")
-    if isinstance(configured, int):
-        eos_ids.add(configured)
-    elif configured is not None:
-        eos_ids.update(configured)
-    return frozenset(eos_ids)
 
 
 class IncrementalDetokenizer:

@@ -37,7 +37,7 @@ from torch import nn
 
 from nanoqwen.config import cpu_has_native_bf16
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
+from nanoqwen.model.loading import ShapeMismatch, TensorSlice, load_whole
 from nanoqwen.model.qwen import QwenForCausalLM, rotary_embedding
 from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.formats import FourBitCodes, PackedWeights, WeightQuantization
