@@ -75,7 +75,7 @@ class StepHook(Protocol):
     tokens of its own to rows before they are laid out (the runner then samples them too),
     and must settle them once the step's tokens are chosen, before they are appended."""
 
-    def attach(self, engine: LLMEngine) -> None: ...
+    def attach(self, engine: LLMEngine, partners: list[Any]) -> None: ...
     def before_layout(self, rows: list[Row]) -> None: ...
     def after_forward(self, sampled: list[Request], new_tokens: list[list[int]]) -> None: ...
     def discard(self, rows: list[Row]) -> None: ...
@@ -96,18 +96,21 @@ class LLMEngine:
         check_defaults(self.sampling_defaults)
         settings = config.runner_settings(self.max_model_len)
         self.step_hooks: list[StepHook] = []
+        partners, max_proposed = [], 0  # runners beside the model's, and their extra tokens
+        if config.speculative is not None:
+            from nanoqwen.speculative.proposers import Speculation
+
+            speculation = Speculation(config, checkpoint, self.tokenizer)
+            self.step_hooks.append(speculation)
+            partners, max_proposed = speculation.checkpoints, speculation.max_proposed
         self.workers = None  # rank 0's handle on the other ranks of a split model
         if config.tensor_parallel_size > 1:
             from nanoqwen.parallel.launch import start_split_model
 
-            self.runner, self.workers = start_split_model(config, checkpoint, settings)
-        elif config.speculative is not None:
-            from nanoqwen.speculative.proposers import start_speculation
-
-            self.runner, hook = start_speculation(config, checkpoint, self.tokenizer, settings)
-            self.step_hooks.append(hook)
+            self.runner, self.workers = start_split_model(config, checkpoint, settings, max_proposed)
         else:
-            (self.runner,) = start_runners([checkpoint], settings)
+            self.runner, *partners = start_runners([checkpoint, *partners], settings,
+                                                   max_proposed=max_proposed)
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
         self.allocator = PageAllocator(self.runner.kv_cache.num_pages, config.page_size)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_cache else None
@@ -121,7 +124,7 @@ class LLMEngine:
             config.scheduling_policy, config.priority_aging_steps, self.states,
         )
         for hook in self.step_hooks:
-            hook.attach(self)
+            hook.attach(self, partners)
         self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -14,7 +14,7 @@ import torch
 from test_bench import TINY_SHAPE, run_bench
 
 from nanoqwen import LLMEngine, SamplingParams
-from tools.bench_decode import Observers, PhaseTimer
+from tools.bench_decode import Observers, PhaseTimer, observe
 from tools.bench_floor import (
     SPLIT,
     FloorRecorder,
@@ -51,7 +51,7 @@ def record_calls(modules: dict[str, torch.nn.Module]) -> tuple[list[tuple[str, i
 def install(engine: LLMEngine) -> tuple[FloorRecorder, PhaseTimer]:
     recorder, timer = FloorRecorder(), PhaseTimer(engine.device)
     recorder.attach(engine)
-    engine.observe(Observers(timer, recorder))
+    observe(engine, Observers(timer, recorder))
     return recorder, timer
 
 

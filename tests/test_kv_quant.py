@@ -217,7 +217,7 @@ def test_the_same_memory_holds_more_pages(qwen3_dir: str, name: str, dtype: str)
     engines = {
         kv: make_engine(qwen3_dir, kv, dtype=dtype, kv_cache_memory=memory) for kv in ("auto", name)
     }
-    shape = engines["auto"].runner.shape
+    shape = engines["auto"].runner.model.attention_shape
     # Per token and KV head, in both K and V of every layer: head_dim numbers in the model's
     # dtype, or head_dim bytes and a 4-byte scale.
     slots = 2 * shape.num_layers * 4 * shape.num_kv_heads
@@ -352,7 +352,7 @@ def test_fp8_on_flashinfer_stand_ins_reads_fp8_pages_at_one_scale_per_tensor(
     engines = {kv: make_engine(model_dir, kv, **options) for kv in ("auto", "fp8_e4m3")}
     pool = engines["fp8_e4m3"].runner.kv_cache
     assert pool.kv.dtype == torch.float8_e4m3fn and pool.scales is None
-    shape = engines["auto"].runner.shape
+    shape = engines["auto"].runner.model.attention_shape
     fp8_page = 2 * shape.num_layers * 4 * shape.num_kv_heads * shape.head_dim  # bytes
     # One byte per number and no scales: four times float32's pages.
     assert engines["fp8_e4m3"].allocator.num_usable_pages == memory // fp8_page

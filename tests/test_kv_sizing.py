@@ -176,7 +176,7 @@ def throwaway_runners(
 ) -> Callable[[ModelRunner, int], ModelRunner]:
     """What start-up profiles on: a runner of `model` on a cache of `num_pages` pages, with
     `backend_class` and these graph buckets (the engine's own settings otherwise)."""
-    parts = RunnerParts(settings_of(engine), backend_class, buckets)
+    parts = RunnerParts(settings_of(engine), backend_class, buckets, engine.device)
     return parts.runner
 
 

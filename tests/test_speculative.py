@@ -16,6 +16,7 @@ from oracle import check_page_accounting, greedy, random_prompts
 from nanoqwen import LLM, LLMEngine, SamplingParams
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.memory.kv_cache import KVCache
+from nanoqwen.sampling.penalties import Penalties
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Row
@@ -382,7 +383,9 @@ def verify(logits: torch.Tensor, params: SamplingParams, drafts: list[int], prob
         guesses = list(drafts) if isinstance(drafts[0], int) else list(drafts[i])
         draft_probs[request] = probs if probs is None or probs.dim() == 2 else probs[i]
         rows.append(Row(request, 2, [3, *guesses], 1 + len(guesses)))
-    return sample_with_drafts(Sampler(), torch.cat([logits] * count), rows, draft_probs.get)
+    sampler = Sampler()
+    sampler.add_processor(Penalties)  # as the engine plugs it in for penalised requests
+    return sample_with_drafts(sampler, torch.cat([logits] * count), rows, draft_probs.get)
 
 
 def test_greedy_verification_keeps_the_matching_prefix_and_adds_one() -> None:

@@ -75,7 +75,7 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
-        self.seconds: dict[str, float] = {}
+        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self.scheduled_tokens = 0  # prompt and decode tokens laid out, over every step
         self.last_inputs: StepInputs | None = None  # the latest step, to replay its forward
 
@@ -94,7 +94,7 @@ class PhaseTimer:
         self.scheduled_tokens += sum(len(row.token_ids) for row in rows)
 
     def reset(self) -> None:
-        self.seconds = {}
+        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self.scheduled_tokens = 0
 
 

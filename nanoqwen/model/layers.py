@@ -214,22 +214,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Linear):
-    """This rank's block of the vocabulary's logits (the embedding's rows); `join` brings
-    the ranks' blocks together on rank 0."""
+    """This rank's block of the vocabulary's logits (the embedding's rows);
+    `join_vocabulary` brings the ranks' blocks together on rank 0."""
 
     def __init__(self, hidden_size: int, embedding: VocabParallelEmbedding) -> None:
         super().__init__(hidden_size, embedding.weight.shape[0], bias=False)
         self.load_block = embedding.load_block
-        self.tp, self.vocab_size = embedding.tp, embedding.vocab_size
 
-    def join(self, local: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's block of the logits, `[S, rows]`, joined into `[S, vocab]` on rank 0;
-        None on the other ranks, which never sample."""
-        if local.shape[0] == 0:  # nothing sampled this step, on any rank
-            return local.new_empty(0, self.vocab_size) if self.tp.rank == 0 else None
-        blocks = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
-        dist.gather(local.contiguous(), blocks, dst=0)
-        return torch.cat(blocks, dim=-1)[:, : self.vocab_size] if blocks else None
+
+def join_vocabulary(local: torch.Tensor, tp: TensorParallel, vocab_size: int) -> torch.Tensor | None:
+    """Every rank's block of the logits, `[S, rows]`, joined into `[S, vocab]` on rank 0;
+    None on the other ranks, which never sample."""
+    blocks = [torch.empty_like(local) for _ in range(tp.size)] if tp.rank == 0 else None
+    dist.gather(local.contiguous(), blocks, dst=0)
+    return torch.cat(blocks, dim=-1)[:, :vocab_size] if blocks else None
 
 
 def attention_splits(

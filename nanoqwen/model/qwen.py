@@ -50,6 +50,8 @@ from nanoqwen.model.layers import (
     VocabParallelEmbedding,
     apply_rotary,
     attention_splits,
+    current_group,
+    join_vocabulary,
     normalize,
 )
 
@@ -169,7 +171,7 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
 class QwenForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, current_group()
         self.model = QwenModel(config)
         self.rotary = rotary_embedding(config)
         self.lm_head = ParallelLMHead(config.hidden_size, self.model.embed_tokens)
@@ -206,5 +208,7 @@ class QwenForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`[S, vocab]` logits of final-norm hidden states (on rank 0 of a split model;
         None on the others)."""
+        if hidden.shape[0] == 0:  # a step that samples nothing skips the largest matmul
+            return hidden.new_empty(0, self.config.vocab_size) if self.tp.rank == 0 else None
         logits = self.lm_head(hidden)
-        return logits if self.lm_head.tp.size == 1 else self.lm_head.join(logits)
+        return logits if self.tp.size == 1 else join_vocabulary(logits, self.tp, self.config.vocab_size)

@@ -62,22 +62,26 @@ RunnerStarter = Callable[[Ranks], ModelRunner]
 
 
 def start_split_model(
-    config: EngineConfig, checkpoint: Checkpoint, settings: RunnerSettings
+    config: EngineConfig, checkpoint: Checkpoint, settings: RunnerSettings, max_proposed: int = 0
 ) -> tuple[ModelRunner, Workers]:
     """Rank 0's runner of a model split across `config.tensor_parallel_size` ranks, and its
     handle on the others, each of which starts the same way and then serves steps."""
-    ranks = start_ranks(config, checkpoint, partial(start_rank_runner, checkpoint, settings))
+    starter = partial(start_rank_runner, checkpoint, settings, max_proposed)
+    ranks = start_ranks(config, checkpoint, starter)
     with starting(ranks.workers):  # if rank 0 fails to start, the other ranks go too
         (runner,) = start_runners(
-            [checkpoint], settings, ranks.tp, ranks.device, agree=min_over_ranks,
+            [checkpoint], settings, ranks.tp, ranks.device, max_proposed, agree=min_over_ranks,
             make=partial(Rank0Runner, workers=ranks.workers),
         )
     return runner, ranks.workers
 
 
-def start_rank_runner(checkpoint: Checkpoint, settings: RunnerSettings, ranks: Ranks) -> ModelRunner:
+def start_rank_runner(
+    checkpoint: Checkpoint, settings: RunnerSettings, max_proposed: int, ranks: Ranks
+) -> ModelRunner:
     """How every rank but 0 starts its runner (rank 0's `start_split_model` does the same)."""
-    (runner,) = start_runners([checkpoint], settings, ranks.tp, ranks.device, agree=min_over_ranks)
+    (runner,) = start_runners([checkpoint], settings, ranks.tp, ranks.device, max_proposed,
+                              agree=min_over_ranks)
     return runner
 
 

@@ -71,7 +71,7 @@ def start_runners(
             settings.dtype, settings.kv_storage_dtype, device,
         )
         buckets = decode_buckets(settings, models[0], backend_class, device)
-        parts = RunnerParts(settings, backend_class, buckets, states)
+        parts = RunnerParts(settings, backend_class, buckets, device, states)
         memory = cache_memory(models, parts, device, tp.size, max_proposed)
         num_slots = agree(state_slots(settings, memory, parts.slot_bytes()))
         page_bytes = sum(parts.page_bytes(model) for model in models)
@@ -92,6 +92,7 @@ class RunnerParts:
     settings: RunnerSettings
     backend_class: type[AttentionBackend]
     buckets: list[int]
+    device: torch.device
     states: StateLayers | None = None
 
     def runner(
@@ -101,7 +102,7 @@ class RunnerParts:
         shape, settings = model.attention_shape, self.settings
         kv_cache = make_kv_cache(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, settings.page_size, num_pages,
-            settings.dtype, model.lm_head.weight.device, settings.kv_storage_dtype,
+            settings.dtype, self.device, settings.kv_storage_dtype,
             self.backend_class.per_vector_kv_scales,
         )
         backend = self.backend_class(kv_cache, shape.num_heads, shape.num_kv_heads, shape.head_dim)
@@ -112,7 +113,7 @@ class RunnerParts:
             graphs = DecodeGraphRunner(model, backend, self.buckets, settings.max_model_len)
         runner = make(model, backend, graphs)
         if num_state_slots:
-            runner.states = self.states.cache(num_state_slots, model.lm_head.weight.device)
+            runner.states = self.states.cache(num_state_slots, self.device)
         return runner
 
     def slot_bytes(self) -> int:

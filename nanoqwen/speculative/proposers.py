@@ -38,9 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.config import EngineConfig, RunnerSettings
+from nanoqwen.config import EngineConfig
 from nanoqwen.runner.runner import ModelRunner, on_device
-from nanoqwen.runner.startup import start_runners
 from nanoqwen.sampling.sampler import Sampler, draw
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Row, Scheduler
@@ -89,18 +88,32 @@ class SpeculationStats:
 
 
 class Speculation:
-    """The engine's step hook for speculative decoding (see the module docstring)."""
+    """The engine's step hook for speculative decoding (see the module docstring). Made
+    before the engine starts its runners: `checkpoints` (a draft model) are loaded beside
+    the target, and every step may carry `max_proposed` more tokens per row."""
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
-        self.proposer = proposer
-        self.num_speculative_tokens, self.max_model_len = num_speculative_tokens, max_model_len
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, tokenizer: Tokenizer) -> None:
+        if checkpoint.model_config.state_layers:
+            raise ValueError(
+                "speculative decoding does not run on models with recurrent layers (Qwen3-Next,"
+                " Qwen3.5): their state would have to be kept after every guessed token, to go "
+                "back to the last accepted one"
+            )
+        self.config, self.vocab_size = config, checkpoint.model_config.vocab_size
+        self.checkpoints = [resolve_draft_model(config, tokenizer)] if config.draft_model else []
+        self.num_speculative_tokens = self.max_proposed = config.num_speculative_tokens
         self.stats = SpeculationStats()
         self.drafted: dict[Request, int] = {}  # this step's guesses per request
+        self.proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
         self.scheduler: Scheduler | None = None
+        self.max_model_len = 0
 
-    def attach(self, engine: Any) -> None:
-        """Take the engine's (an `LLMEngine`'s) scheduler, and verify its runner's steps."""
-        self.scheduler = engine.scheduler
+    def attach(self, engine: Any, partners: Sequence[ModelRunner]) -> None:
+        """Take the engine's (an `LLMEngine`'s) scheduler, verify its runner's steps, and
+        propose with the draft model's runner, if there is one (`partners`)."""
+        self.scheduler, self.max_model_len = engine.scheduler, engine.max_model_len
+        if partners:
+            self.proposer = DraftModelProposer(partners[0], self.vocab_size)
         engine.runner.choose_tokens = self.proposer.choose_tokens
 
     def stats_group(self) -> dict[str, dict[str, Any]]:
@@ -301,25 +314,3 @@ def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoin
             f"draft_model {config.draft_model!r} does not share the target model's tokenizer"
         )
     return checkpoint
-
-
-def start_speculation(
-    config: EngineConfig, checkpoint: Checkpoint, tokenizer: Tokenizer, settings: RunnerSettings
-) -> tuple[ModelRunner, Speculation]:
-    """The target's runner and the step hook `config` asks for. A draft model is loaded
-    beside the target, its KV cache sized and allocated with the target's."""
-    if checkpoint.model_config.state_layers:
-        raise ValueError(
-            "speculative decoding does not run on models with recurrent layers (Qwen3-Next, "
-            "Qwen3.5): their state would have to be kept after every guessed token, to go "
-            "back to the last accepted one"
-        )
-    k = config.num_speculative_tokens
-    if config.speculative == "ngram":
-        (runner,) = start_runners([checkpoint], settings, max_proposed=k)
-        proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    else:
-        draft = resolve_draft_model(config, tokenizer)
-        runner, draft_runner = start_runners([checkpoint, draft], settings, max_proposed=k)
-        proposer = DraftModelProposer(draft_runner, checkpoint.model_config.vocab_size)
-    return runner, Speculation(proposer, k, settings.max_model_len)
