@@ -5,8 +5,8 @@ when the connection closes). `HTTPHandler`, the base of the OpenAI routes:
 
 1. reads the request line, headers and body against one deadline (`read_timeout`, 408
    past it), so a client sending a byte a second can't hold a thread for long; the headers
-   are bounded in bytes and lines (431), and a body's length must be declared once (a
-   second, different `Content-Length` is how requests are smuggled past a proxy);
+   are bounded in bytes and lines (431) and read strictly (`headers`: one reading only,
+   so no request is smuggled past a proxy that reads it another way);
 2. checks who is calling (see below) and hands the request to `_dispatch`;
 3. writes the answer: one JSON document, or a Server-Sent Events stream
    (`data: {chunk}\\n\\n` per event); every error is OpenAI-shaped JSON, the standard
@@ -53,7 +53,8 @@ from urllib.parse import urlsplit
 from nanoqwen.metrics import ServerMetrics
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
-from nanoqwen.server.protocol import APIError, bad_request
+from nanoqwen.server.headers import check_header_lines, check_headers, declared_body_length
+from nanoqwen.server.protocol import APIError
 from nanoqwen.server.responses import usage
 from nanoqwen.server.settings import ServerSettings
 from nanoqwen.server.sockets import (
@@ -215,19 +216,21 @@ class HTTPHandler(BaseHTTPRequestHandler):
             self.rfile = body
         # The query string may hold a secret (?api_key=): not even the log sees it.
         self.record.method, self.record.path = self.command, self.path.partition("?")[0]
+        check_headers(self.headers, self.request_version)
         self._check_caller()
-        self.unread_body = self._declared_body_length()
+        self.unread_body = declared_body_length(self.headers)
         return True
 
     def _read_header_lines(self) -> bytes:
         """The header lines, up to and with the blank line that ends them; a 431 for more
-        than `MAX_HEADER_BYTES` or `MAX_HEADER_LINES`."""
+        than `MAX_HEADER_BYTES` or `MAX_HEADER_LINES`, a 400 for a malformed line."""
         lines: list[bytes] = []
         size = 0
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1 - size)
             lines.append(line)
             if line in END_OF_HEADERS:
+                check_header_lines(lines[:-1])
                 return b"".join(lines)
             size += len(line)
             if size > MAX_HEADER_BYTES or len(lines) > MAX_HEADER_LINES:
@@ -247,19 +250,6 @@ class HTTPHandler(BaseHTTPRequestHandler):
             raise APIError(403, f"requests from the web page origin {origin} are not allowed "
                            "(the server's allowed origins can list it)", code="origin_not_allowed")
         self.reply_headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
-
-    def _declared_body_length(self) -> int:
-        if "Transfer-Encoding" in self.headers:  # a proxy may frame the body by it, not by length
-            raise APIError(501, "Transfer-Encoding is not supported; send a Content-Length",
-                           code="transfer_encoding_not_supported")
-        values = {value.strip() for value in self.headers.get_all("Content-Length", ["0"])}
-        if len(values) > 1:  # repeats of one value are harmless (RFC 9110, section 8.6)
-            raise bad_request(f"the request has conflicting Content-Length headers: "
-                              f"{', '.join(sorted(values))}")
-        (value,) = values
-        if not (value.isascii() and value.isdigit()):
-            raise bad_request(f"Content-Length must be a non-negative integer, got {value!r}")
-        return int(value)
 
     def _read_json(self) -> dict[str, Any]:
         content_type = self.headers.get("Content-Type")
