@@ -39,7 +39,8 @@ logger = logging.getLogger("nanoqwen.serve")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option(
     "--api-key", envvar="NANOQWEN_API_KEY", default=None,
-    help="Require 'Authorization: Bearer KEY' on /v1/* routes (also read from NANOQWEN_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' on every route but /health and the chat page "
+    "(also read from NANOQWEN_API_KEY).",
 )
 @click.option(
     "--max-queue", default=DEFAULT_MAX_QUEUE, type=click.IntRange(min=0),

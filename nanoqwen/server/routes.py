@@ -47,6 +47,9 @@ from nanoqwen.server.tools import ToolOptions, parse_tools, tool_fields
 MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the id may hold slashes (a hub id)
 POLL_SECONDS = 0.25  # how often a handler waiting for tokens checks its client and deadline
 RETRY_AFTER_SECONDS = 1
+# What a server with an API key answers without it: the health probe, and the chat page's
+# files (the page asks its user for the key and sends it with its API calls).
+OPEN_PATHS = frozenset({*page.PAGE_FILES, "/favicon.ico", "/health"})
 
 
 class OpenAIHandler(HTTPHandler):
@@ -81,6 +84,9 @@ class OpenAIHandler(HTTPHandler):
     # ------------------------------------------------------------ routes
     def _dispatch(self) -> None:
         path = self.record.path
+        # A browser's preflight never carries the key; the request it clears does.
+        if self.command != "OPTIONS" and path not in OPEN_PATHS:
+            self._authorize()
         methods = self.ROUTES.get(path)
         if methods is None and path.startswith(MODEL_PATH):
             methods = {"GET": OpenAIHandler.get_model}
@@ -97,8 +103,6 @@ class OpenAIHandler(HTTPHandler):
         if route is None:
             raise APIError(405, f"{self.command} is not allowed on {path}; use {allowed}",
                            code="method_not_allowed", headers={"Allow": allowed})
-        if path.startswith("/v1/"):
-            self._authorize()
         route(self)
 
     def page_file(self) -> None:
