@@ -222,7 +222,12 @@ class OpenAIHandler(HTTPHandler):
                                   "tool_choice")
             spec, param = forced, "tools"
         if spec is not None:
-            compile_structured_output(self.server.engine, spec, param)
+            try:
+                compile_structured_output(self.server.engine, spec, param)
+            except APIError as error:
+                compile = self.server.engine.grammars.compile
+                named = tools.schema_error(compile) if forced is not None else None
+                raise (named or error) from None
         return spec
 
     ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {

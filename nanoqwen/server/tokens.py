@@ -34,8 +34,10 @@ def model_card(model_id: str, created: int, engine: LLMEngine) -> dict[str, Any]
 
 
 def parse_encoding_format(body: dict[str, Any]) -> str:
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ENCODING_FORMATS:
+    encoding = body.get("encoding_format")
+    if encoding is None:  # left out, or null as any field may be: OpenAI's default
+        return "float"
+    if not isinstance(encoding, str) or encoding not in ENCODING_FORMATS:
         raise bad_request(f"encoding_format must be float or base64, got {encoding!r}",
                           "encoding_format")
     return encoding
