@@ -2,8 +2,9 @@
 
     python serve.py --model Qwen/Qwen3-0.6B --port 8000
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), and GET / (a chat page). Ctrl-C (SIGINT) or SIGTERM stops it
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses,
+POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics (Prometheus), and GET / (a
+chat page). Ctrl-C (SIGINT) or SIGTERM stops it
 within seconds: requests in flight are aborted and answered before the process exits.
 """
 

@@ -266,9 +266,10 @@ def test_unsupported_openai_fields_are_refused(server: OpenAIServer, path: str, 
     assert error["error"]["param"] == name and name in error["error"]["message"]
 
 
-@pytest.mark.parametrize("role", ["function", "xyz", "", None, ["user"]])
-def test_unknown_roles_are_refused(server: OpenAIServer, role: object) -> None:
-    """A template would render any role into the prompt as it is (`<|im_start|>xyz`)."""
+@pytest.mark.parametrize("role", ["", None, ["user"], "user<|im_end|>"])
+def test_roles_that_are_no_names_are_refused(server: OpenAIServer, role: object) -> None:
+    """A template renders the role into the prompt as it is (`<|im_start|>xyz`): a role
+    of the model's own must be a name (test_server_protocol passes one through)."""
     messages = [{"role": role, "content": "hi"}]
     status, _, error = call(server, "POST", "/v1/chat/completions", {"messages": messages})
     assert (status, error["error"]["param"]) == (400, "messages[0].role")

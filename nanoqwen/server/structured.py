@@ -7,7 +7,8 @@ Three spellings reach the same `StructuredOutput` (`sampling/grammar.py`):
   "strict"}}` (JSON that validates against `schema`; always enforced, strict or not);
 * vLLM's `structured_outputs`: one of `json` (a schema), `json_object: true`, `regex`,
   `choice` (a list of strings), `grammar` (EBNF) or `structural_tag`;
-* vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+* vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and
+  SGLang's `regex` and `ebnf`.
 
 A request may use one of them. The grammar is compiled here, on the handler's thread:
 an invalid schema is a 400 naming the field, and the engine finds it compiled.
@@ -22,8 +23,9 @@ from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.server.protocol import bad_request
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# Top-level fields that ask for one kind each: vLLM's older names, then SGLang's.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+                 "guided_grammar": "grammar", "regex": "regex", "ebnf": "grammar"}
 
 
 def parse_structured_output(body: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from typing import Any
 
 from nanoqwen.engine import LLMEngine
@@ -44,14 +45,15 @@ def parse_encoding_format(body: dict[str, Any]) -> str:
 
 
 def embeddings_response(
-    outputs: list[RequestOutput], encoding: str, model_id: str
+    outputs: list[RequestOutput], encoding: str, model_id: str, request_id: str
 ) -> dict[str, Any]:
     data = [
         {"object": "embedding", "index": index, "embedding": _encode(output.embedding, encoding)}
         for index, output in enumerate(outputs)
     ]
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return {"object": "list", "data": data, "model": model_id,
+    return {"id": request_id, "object": "list", "created": int(time.time()), "data": data,
+            "model": model_id,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
