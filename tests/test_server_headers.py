@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -29,12 +28,6 @@ KEY = "s3cret"
 BODY = json.dumps({"prompt": "hi", **GREEDY}).encode()
 LENGTH = f"Content-Length: {len(BODY)}\r\n".encode()
 JSON_TYPE = b"Content-Type: application/json\r\n"
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
 
 
 def exchange(server: OpenAIServer, request: bytes) -> tuple[int, dict]:

@@ -8,29 +8,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from server_helpers import MODEL, assert_error_shape, call, client_for, running_server
+from server_helpers import MODEL, assert_error_shape, call, running_server
 
 from nanoqwen.server import OpenAIServer
 
 CHAT = [{"role": "user", "content": "Give me an address."}]
 IP = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
-    with client_for(server) as client:
-        yield client
 
 
 # ---------------------------------------------------------------------------- regex

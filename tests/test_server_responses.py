@@ -8,7 +8,6 @@ a grammar (`text.format`) or by forcing a function call."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import jsonschema
@@ -20,7 +19,6 @@ from server_helpers import (
     MODEL,
     assert_error_shape,
     call,
-    client_for,
     running_server,
     slow_down,
     sse_data,
@@ -44,18 +42,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 TIME = {"type": "function", "name": "get_time",
         "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
                        "required": ["zone"]}}
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
-    with client_for(server) as client:
-        yield client
 
 
 def chat_reply(client: openai.OpenAI, messages: list[dict], **extra: object) -> object:
@@ -231,7 +217,8 @@ BAD = [
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": "json"}}, "text.format"),
     ({"tools": [WEATHER], "tool_choice": "required", "text": JSON_ANSWER}, "tool_choice"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),

@@ -9,12 +9,11 @@ parses), and "required" / named choices force a call through the grammar engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL, assert_error_shape, call, client_for, running_server
+from server_helpers import MODEL, assert_error_shape, call
 
 from nanoqwen import LLM
 from nanoqwen.server import OpenAIServer
@@ -71,18 +70,6 @@ def test_streamed_parser_agrees_with_the_whole_one(piece: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the server
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
-    with client_for(server) as client:
-        yield client
-
-
 def test_tools_and_call_history_reach_the_template(server: OpenAIServer, qwen3_dir: str) -> None:
     history = [
         {"role": "system", "content": "Be brief."}, *ASK,

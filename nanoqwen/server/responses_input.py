@@ -32,6 +32,7 @@ from typing import Any
 from nanoqwen.sampling.grammar import StructuredOutput
 from nanoqwen.server.logprobs import check_count
 from nanoqwen.server.protocol import bad_request, checked_field
+from nanoqwen.server.structured import parse_response_format
 
 ROLES = ("user", "assistant", "system", "developer")
 # A message's text parts: what a client writes (input_text) and what it sends back of an
@@ -163,18 +164,8 @@ def _text_format(body: dict[str, Any]) -> StructuredOutput | None:
     text = checked_field(body, "text", dict, "an object", {})
     if text.get("verbosity") is not None:
         raise bad_request("text.verbosity is not supported by this server", "text.verbosity")
-    form = checked_field(text, "format", dict, "an object", {"type": "text"}, "text.format")
-    kind = form.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput(json_object=True)
-    if kind != "json_schema":
-        raise bad_request(f"text.format.type must be text, json_object or json_schema, got "
-                          f"{kind!r}", "text.format.type")
-    if not isinstance(form.get("schema"), dict):
-        raise bad_request("text.format.schema must be a JSON schema object", "text.format.schema")
-    return StructuredOutput(json=form["schema"])
+    form = text.get("format")
+    return None if form is None else parse_response_format(form, "text.format", flat=True)
 
 
 def _logprobs(body: dict[str, Any]) -> int | None:

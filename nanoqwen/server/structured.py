@@ -33,7 +33,7 @@ def parse_structured_output(body: dict[str, Any]) -> tuple[StructuredOutput | No
     asked = []
     response_format = body.get("response_format")
     if response_format is not None:
-        spec = _from_response_format(response_format)
+        spec = parse_response_format(response_format)
         if spec is not None:
             asked.append((spec, "response_format"))
     if body.get("structured_outputs") is not None:
@@ -55,22 +55,26 @@ def compile_structured_output(engine: LLMEngine, spec: StructuredOutput, param: 
         raise bad_request(str(error), param) from error
 
 
-def _from_response_format(response_format: Any) -> StructuredOutput | None:
-    if not isinstance(response_format, dict):
-        raise bad_request("response_format must be an object", "response_format")
-    kind = response_format.get("type")
+def parse_response_format(
+    value: Any, param: str = "response_format", flat: bool = False
+) -> StructuredOutput | None:
+    """OpenAI's `response_format` (chat), or `text.format` (the Responses API, `flat`:
+    a JSON schema's `name`, `schema` and `strict` sit beside its `type`)."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object", param)
+    kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput(json_object=True)
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, "
-                          f"got {kind!r}", "response_format.type")
-    described = response_format.get("json_schema")
+        raise bad_request(f"{param}.type must be text, json_object or json_schema, "
+                          f"got {kind!r}", f"{param}.type")
+    described = value if flat else value.get("json_schema")
+    where = param if flat else f"{param}.json_schema"
     if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
-        raise bad_request("response_format.json_schema must be an object with a schema object",
-                          "response_format.json_schema")
-    return _spec("response_format.json_schema.schema", json=described["schema"])
+        raise bad_request(f"{where} must be an object with a schema object", where)
+    return _spec(f"{where}.schema", json=described["schema"])
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutput:
