@@ -95,8 +95,8 @@ class AccessRecord:
     outcome: str = ""
 
     def usage(self) -> dict[str, Any]:
-        """OpenAI's usage block from each choice's newest output; the `n` samples of a
-        prompt count its tokens once."""
+        """OpenAI's usage block: the prompts submitted (the `n` samples of a prompt count
+        its tokens once) and each choice's newest output."""
         firsts = [out for i, out in self.latest.items() if i % self.samples_per_prompt == 0]
         prompt_tokens = sum(self.prompt_lengths)
         completion_tokens = sum(len(out.token_ids) for out in self.latest.values())

@@ -156,7 +156,7 @@ class OpenAIHandler(GenerationHandler):
         prompt_logprobs = parse_prompt_logprobs(body)
         options = protocol.parse_generation_options(
             body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine, logprobs=logprobs,
-            # echo with logprobs scores the prompt too; vLLM's prompt_logprobs asks for more.
+            # echo with logprobs scores the prompt too, unless prompt_logprobs says how (vLLM).
             prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs,
             structured_output=self._structured_output(parse_structured_output(body), None),
         )
