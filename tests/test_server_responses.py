@@ -146,7 +146,9 @@ def test_logprobs_are_those_of_the_chat_route(client: openai.OpenAI) -> None:
         include=["message.output_text.logprobs"], top_logprobs=2, **GREEDY)
         if event.type == "response.output_text.delta" for entry in event.logprobs]
     assert [entry.token for entry in streamed] == [entry.token for entry in logprobs]
-    plain = client.responses.create(model=MODEL, input=QUESTION, **GREEDY)
+    # No tools, as the Agents SDK says it: an empty list, and "auto".
+    plain = client.responses.create(model=MODEL, input=QUESTION, tools=[], tool_choice="auto",
+                                    include=[], **GREEDY)
     assert plain.output[0].content[0].logprobs == []
 
 

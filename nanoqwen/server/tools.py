@@ -105,6 +105,8 @@ def parse_tools(body: dict[str, Any], flat: bool = False) -> ToolOptions | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if flat and tools == []:  # the Responses API's way to say none, where "auto" asks nothing
+        tools, choice = None, None if choice == "auto" else choice
     if tools is None:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
