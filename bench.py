@@ -29,7 +29,7 @@ Five scenarios:
 **The measurements** come from the loop around `engine.step()`: a request's time to first
 token (TTFT) is from its submission to the first step that returns a token for it; its time
 per output token (TPOT) is the rest of its life divided by its remaining tokens. A
-`PhaseTimer`, observing the engine (`engine.observe`), splits every step into schedule, prepare
+`PhaseTimer`, observing the engine (`tools.bench_decode.observe`), splits every step into schedule, prepare
 inputs, forward, sample and detokenize/bookkeeping, which says where the time goes.
 
 `--compare hf` runs the same prompts through transformers' `generate` on the same weights
@@ -84,8 +84,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-import nanoqwen  # noqa: F401, I001 (first: it sets OpenMP's wait policy before torch loads)
 import torch
 from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
@@ -99,6 +97,7 @@ from rich.progress import (
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+import nanoqwen  # noqa: F401, I001 (first: it sets OpenMP's wait policy before torch loads)
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import (
     SPECULATIVE_OPTION_NAMES,
@@ -118,6 +117,7 @@ from tools.bench_decode import (
     PhaseTimer,
     PoolTooSmall,
     measure_decode_overhead,
+    observe,
 )
 from tools.bench_environment import describe_environment
 from tools.bench_floor import (
@@ -706,9 +706,9 @@ def load_engine(
     timer = PhaseTimer(engine.device)
     if recorder is not None:
         recorder.attach(engine)
-        engine.observe(Observers(timer, recorder))
+        observe(engine, Observers(timer, recorder))
     else:
-        engine.observe(timer)
+        observe(engine, timer)
     return engine, timer, recorder
 
 

@@ -73,8 +73,9 @@ from nanoqwen.cli import (
 )
 from nanoqwen.config import resolve_device
 from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
+from nanoqwen.text.chat_template import default_system_prompt
+from nanoqwen.text.generation_config import FALLBACK_SAMPLING
 from nanoqwen.text.stop_strings import partial_match_length
-from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 
 try:  # not on every platform; where present, input() gets line editing and history
@@ -362,7 +363,7 @@ class ChatSession:
     def _describe_system_prompt(self) -> str:
         if self.system:
             return f"System prompt: {self.system}"
-        default = self.llm.engine.tokenizer.default_system_prompt()
+        default = default_system_prompt(self.llm.engine.tokenizer)
         if default is None:
             return "No system prompt."
         return f"No system prompt of yours; the chat template adds its own: {default}"

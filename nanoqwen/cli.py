@@ -27,7 +27,7 @@ from nanoqwen.config import (
     EngineConfig,
 )
 from nanoqwen.engine import LLMEngine
-from nanoqwen.memory.sizing import CPU_KV_CACHE_FRACTION
+from nanoqwen.runner.startup import CPU_KV_CACHE_FRACTION
 from nanoqwen.weights.quantization import torchao_import_noise
 
 Command = TypeVar("Command", bound=Callable[..., Any])

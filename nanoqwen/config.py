@@ -205,10 +205,42 @@ class EngineConfig:
                 f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
             )
 
+    def runner_settings(self, max_model_len: int) -> RunnerSettings:
+        """The settings start-up and the runner use, for a model served up to `max_model_len`."""
+        return RunnerSettings(
+            device=self.device, dtype=self.dtype, page_size=self.page_size,
+            max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            chunk_size=self.chunk_size, kv_storage_dtype=self.kv_storage_dtype,
+            quantization=self.quantization, attention_backend=self.attention_backend,
+            decode_buckets=self.decode_buckets, enforce_eager=self.enforce_eager,
+            num_pages=self.num_pages, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
     @property
     def num_drafts_per_step(self) -> int:
         """The most draft tokens a request carries into one step (0 without speculation)."""
         return self.num_speculative_tokens if self.speculative else 0
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The engine settings start-up and the runner use (`EngineConfig`'s fields)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    chunk_size: int
+    kv_storage_dtype: torch.dtype  # the dtype pages are stored in
+    quantization: str | None = None
+    attention_backend: str | None = None
+    decode_buckets: list[int] | None = None
+    enforce_eager: bool = False
+    num_pages: int | None = None
+    kv_cache_memory: float | None = None  # bytes, or (at most 1) a fraction
+    gpu_memory_utilization: float = 0.9
 
 
 def _require_positive_int(name: str, value: Any) -> None:

@@ -1,68 +1,60 @@
-"""The engine: the loop that ties tokenizer, scheduler, runner, sampler and cache together.
+"""The engine: the loop that ties tokenizer, scheduler, runner and prefix cache together.
 
 `LLMEngine` is the online interface a server drives. `add_request` checks and queues a
-prompt (bad input is a `ValueError`, and nothing is queued); each `step()` reads like the
-pipeline it is:
+prompt (bad input is a `ValueError`, and nothing is queued); each `step()` is
 
-    schedule → propose → prepare → forward → sample → postprocess
+    schedule → run (lay out, forward, choose tokens) → append tokens and stop
 
 and returns one `RequestOutput` per request that moved: its new text (`delta_text`, safe to
-stream) and everything so far. The engine appends a step's tokens one at a time through
-the stop checks (EOS, stop ids and strings, `max_tokens`, `max_model_len`); finished
-requests release their pages, leaving their full pages to the prefix cache. Embedding
-requests (`sampling/pooling.py`) and structured outputs (`sampling/grammar.py`, grammars
-compiled once in `self.grammars`) ride the same steps.
+stream) and everything so far. Tokens are appended one at a time through the stop checks
+(EOS, stop ids and strings, `max_tokens`, `max_model_len`); finished requests release their
+pages, leaving their full pages to the prefix cache.
 
-Start-up builds the pieces in dependency order: checkpoint and tokenizer, the other ranks
-of a split model, the runners, then the KV cache sized from what they measure
-(`plan_kv_pages`), with the page allocator, prefix cache and scheduler over it.
+Start-up reads in order: the checkpoint and tokenizer, then the runner (load the weights,
+size the KV cache, allocate it: `runner/startup.py`), then the page allocator, prefix
+cache and scheduler over that many pages.
+
+Features stay out of a plain request's way. What a request asks for beyond the core draw
+(penalties, a grammar, logprobs, an embedding) is plugged into the sampler or the runner
+the first time a request asks (`sampling/extras.py`); speculative decoding is a `StepHook`
+around the run; a split model's other ranks start beside this one (`parallel/`). None of
+them is imported unless used.
 
 Invariant: every request is waiting, running or finished, in exactly one place; a step
 that fails after scheduling raises `StepError` and leaves its requests as they were.
-`LLM` (`llm.py`) is the offline interface on top; a benchmark times phases through
-`observe`. The story: docs/learn/02-continuous-batching.md.
+`LLM` (`llm.py`) is the offline interface on top. The story:
+docs/learn/02-continuous-batching.md.
 """
 
 from __future__ import annotations
 
 import itertools
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 from nanoqwen.config import EngineConfig
 from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
-from nanoqwen.memory.sizing import KVBudget, WorstStep
 from nanoqwen.model.config import resolve_max_model_len
 from nanoqwen.outputs import RequestOutput, StepError
-from nanoqwen.parallel.launch import start_ranks
-from nanoqwen.parallel.workers import Workers, starting
-from nanoqwen.runner.runner import (
-    ModelRunner,
-    RunnerSettings,
-    plan_kv_pages,
-    start_runner,
-)
-from nanoqwen.runner.step_inputs import STEP_WIRE, StepInputs
-from nanoqwen.sampling.grammar import GrammarCompiler
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.runner.startup import start_runners
+from nanoqwen.sampling.params import SamplingParams, check_defaults
 from nanoqwen.sampling.sampler import make_generator
-from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
-from nanoqwen.scheduling.scheduler import Scheduler
+from nanoqwen.scheduling.scheduler import Row, Scheduler
 from nanoqwen.scheduling.waiting_queue import check_priority
-from nanoqwen.speculative.proposers import make_proposer
-from nanoqwen.stats import Stats, kv_cache_group, prefix_cache_group, requests_group
-from nanoqwen.text.detokenizer import IncrementalDetokenizer
-from nanoqwen.text.tokenizer import Tokenizer
+from nanoqwen.stats import (
+    Stats,
+    kv_cache_group,
+    prefix_cache_group,
+    requests_group,
+    state_pool_group,
+)
+from nanoqwen.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
 
 Prompt = str | list[int]
-# How an embedding request is run: its one "sampled" token is never kept (and with room
-# for one token only, its row carries no draft tokens either).
+# How an embedding request is run: its one "sampled" token is never kept.
 EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -78,25 +70,16 @@ class EncodedPrompt:
     token_ids: list[int]
 
 
-# The phases of a step, in order, as an observer sees them.
-STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
+class StepHook(Protocol):
+    """A feature that changes what a step computes (speculative decoding): it may append
+    tokens of its own to rows before they are laid out (the runner then samples them too),
+    and must settle them once the step's tokens are chosen, before they are appended."""
 
-
-class StepObserver(Protocol):
-    """Watches every step (a benchmark's clock, for one): each phase (`STEP_PHASES`) runs
-    inside `phase(name)`, and `laid_out` sees what the step computes once it is laid out."""
-
-    def phase(self, name: str) -> AbstractContextManager[object]: ...
-
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None: ...
-
-
-class Unobserved:
-    def phase(self, name: str) -> AbstractContextManager[object]:
-        return nullcontext()
-
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
-        pass
+    def attach(self, engine: LLMEngine) -> None: ...
+    def before_layout(self, rows: list[Row]) -> None: ...
+    def after_forward(self, sampled: list[Request], new_tokens: list[list[int]]) -> None: ...
+    def discard(self, rows: list[Row]) -> None: ...
+    def stats_group(self) -> Stats: ...
 
 
 class LLMEngine:
@@ -110,34 +93,36 @@ class LLMEngine:
         self.sampling_defaults = (
             self.tokenizer.sampling_defaults if config.generation_config == "auto" else {}
         )
-        settings = runner_settings(config, self.max_model_len)
-        budget = KVBudget(config.num_pages, config.kv_cache_memory, config.gpu_memory_utilization)
-        self.proposer = make_proposer(config, self.tokenizer, settings, self.model_config.vocab_size)
-        worst = WorstStep(
-            config.max_num_seqs, config.chunk_size, self.max_model_len, self.proposer.max_proposed
-        )
-        # The other ranks of a split model, each starting a runner of its own. Under
-        # torchrun, only rank 0 returns from here.
-        self.ranks = start_ranks(
-            config, checkpoint, STEP_WIRE, partial(start_runner, checkpoint, settings, budget, worst)
-        )
-        with starting(self.ranks.workers):  # if rank 0 fails to start, the other ranks go too
-            self.runner = ModelRunner(checkpoint, settings, self.ranks, self.proposer.choose_tokens)
-            runners = [self.runner, *self.proposer.runners]
-            num_pages = plan_kv_pages(runners, budget, worst)
-            for runner in runners:
-                runner.allocate_kv_cache(num_pages)
+        check_defaults(self.sampling_defaults)
+        settings = config.runner_settings(self.max_model_len)
+        self.step_hooks: list[StepHook] = []
+        self.workers = None  # rank 0's handle on the other ranks of a split model
+        if config.tensor_parallel_size > 1:
+            from nanoqwen.parallel.launch import start_split_model
+
+            self.runner, self.workers = start_split_model(config, checkpoint, settings)
+        elif config.speculative is not None:
+            from nanoqwen.speculative.proposers import start_speculation
+
+            self.runner, hook = start_speculation(config, checkpoint, self.tokenizer, settings)
+            self.step_hooks.append(hook)
+        else:
+            (self.runner,) = start_runners([checkpoint], settings)
         self.device = self.runner.device  # exact (cuda:N): seeded generators are made on it
-        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.allocator = PageAllocator(self.runner.kv_cache.num_pages, config.page_size)
         self.cache = RadixCache(self.allocator) if config.enable_prefix_cache else None
+        self.states = None  # the state pool's slots, for a model with recurrent layers
+        if self.runner.states is not None:
+            from nanoqwen.memory.state_pool import StateSlots
+
+            self.states = StateSlots(self.runner.states.num_slots, config.page_size)
         self.scheduler = Scheduler(
             self.allocator, self.cache, config.max_num_seqs, config.chunk_size,
-            config.scheduling_policy, config.priority_aging_steps,
+            config.scheduling_policy, config.priority_aging_steps, self.states,
         )
-        self.observer: StepObserver = Unobserved()
-        self.grammars = GrammarCompiler(
-            self.tokenizer.hf_tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids
-        )
+        for hook in self.step_hooks:
+            hook.attach(self)
+        self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -148,49 +133,56 @@ class LLMEngine:
     def add_request(
         self,
         prompt: Prompt | EncodedPrompt,
-        params: SamplingParams | PoolingParams | None = None,
+        params: Any = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
         """Queue a prompt; returns its id. A lower `priority` is served sooner.
 
-        Settings `params` leaves out take the model's recommended ones (`sampling_defaults`);
-        `PoolingParams` ask for the prompt's embedding instead of a continuation.
-        Bad input raises a `ValueError` naming what is wrong, and nothing is queued.
+        `params` are `SamplingParams` (settings left out take the model's recommended ones,
+        `sampling_defaults`), or `PoolingParams` for the prompt's embedding instead of a
+        continuation. Bad input raises a `ValueError` naming what is wrong; nothing is queued.
         """
-        pooling = params if isinstance(params, PoolingParams) else None
-        if pooling is not None:
+        pooling = None
+        if params is not None and not isinstance(params, SamplingParams):
             if self.workers is not None:
                 raise ValueError("embeddings need one rank: the model is split across several")
-            params = EMBEDDING_SAMPLING
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params = params.with_defaults(self.sampling_defaults)
-        params.check_token_ids(self.model_config.vocab_size)
-        spec = params.structured_output
-        grammar = self.grammars.matcher(spec) if spec is not None else None
+            from nanoqwen.sampling.extras import plug_in_pooling
+
+            pooling, params = plug_in_pooling(params, self.runner.output_hooks), EMBEDDING_SAMPLING
+        params = (params or SamplingParams()).with_defaults(self.sampling_defaults)
         check_priority(priority, self.config.scheduling_policy)
         if not isinstance(prompt, EncodedPrompt):
             prompt = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = prompt.token_ids
         request = Request(
-            request_id,
-            prompt_ids,
-            params,
+            request_id, prompt.token_ids, params,
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings),
-            priority=priority,
-            grammar=grammar,
-            pooling=pooling,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
+            priority=priority, pooling=pooling,
         )
+        if params.asks_for_more:
+            from nanoqwen.sampling.extras import plug_in
+
+            plug_in(request, self)
         self.requests[request_id] = request
         self.scheduler.add(request)
-        self.num_prompt_tokens += len(prompt_ids)
+        self.num_prompt_tokens += len(prompt.token_ids)
         return request_id
+
+    @property
+    def grammars(self) -> Any:
+        """The structured-output compiler (`sampling/grammar.py`), made on first use."""
+        if self._grammars is None:
+            from nanoqwen.sampling.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
+                self.tokenizer.eos_token_ids,
+            )
+        return self._grammars
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """A prompt's token ids, checked to fit this engine, or a ValueError saying why not.
@@ -237,38 +229,24 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return an output for every request that moved."""
-        phase = self.observer.phase
-        with phase("schedule"):
-            schedule = self.scheduler.schedule()
+        schedule = self.scheduler.schedule()
         outputs = [self._finish(request, "length") for request in schedule.out_of_memory]
-        batch = schedule.batch
-        if not batch:
+        rows = schedule.rows
+        if not rows:
             return outputs
         try:
-            with phase("propose"):
-                self.proposer.propose(batch, self.scheduler)
-            with phase("prepare"):
-                inputs = self.runner.prepare(batch)
-                self.observer.laid_out(batch, inputs)
-            with phase("forward"):
-                logits = self.runner.forward(inputs)
-            with phase("sample"):
-                sampled = self.runner.sample(logits, inputs)
+            for hook in self.step_hooks:
+                hook.before_layout(rows)
+            new_tokens = self.runner.run(rows)
         except Exception as error:
-            self.proposer.discard(batch)
-            failed = [request.request_id for request in batch.requests]
-            raise StepError(failed, outputs) from error
-        with phase("postprocess"):
-            return outputs + self._postprocess(batch, sampled)
-
-    def _postprocess(
-        self, batch: ScheduledBatch, sampled: list[tuple[Request, list[int]]]
-    ) -> list[RequestOutput]:
-        """Record the step's K/V as computed, then append each request's new tokens and stop."""
-        self.scheduler.advance(batch)
-        outputs = [self._append_tokens(request, token_ids) for request, token_ids in sampled]
-        self.proposer.settle(sampled, self.scheduler)  # keeps accepted K/V, rolls back the rest
-        return outputs
+            for hook in self.step_hooks:
+                hook.discard(rows)
+            raise StepError([row.request.request_id for row in rows], outputs) from error
+        self.scheduler.advance(rows)
+        sampled = [row.request for row in rows if row.num_sampled]
+        for hook in self.step_hooks:
+            hook.after_forward(sampled, new_tokens)
+        return outputs + [self._append_tokens(r, tokens) for r, tokens in zip(sampled, new_tokens)]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestOutput:
         """Append tokens one at a time; the first that ends the request drops the rest."""
@@ -317,7 +295,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
+            token_ids=request.token_ids[len(request.prompt_token_ids) :],  # generated so far
             text=request.detokenizer.text,
             delta_token_ids=new_token_ids,
             delta_text=delta,
@@ -331,43 +309,34 @@ class LLMEngine:
             embedding=None if request.embedding is None else request.embedding.tolist(),
         )
 
-    def observe(self, observer: StepObserver) -> None:
-        """Have `observer` watch the phases of every later step (`STEP_PHASES`)."""
-        self.observer = observer
-
     # ----------------------------------------------------------------- introspection
     def stats(self) -> Stats:
         """The engine's figures by group: `kv_cache`, `requests`, `tokens`, and one group
         per optional feature that is on (every key is described in `nanoqwen/stats.py`)."""
-        return {
-            "kv_cache": kv_cache_group(self.allocator, self.runner.kv_cache_bytes),
+        stats = {
+            "kv_cache": kv_cache_group(self.allocator, self.runner.kv_cache.nbytes * self.num_ranks),
             "requests": requests_group(self.scheduler, self.num_finished),
             "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
             **prefix_cache_group(self.cache),
-            **self.proposer.stats_group(),
+            **state_pool_group(self.states),
             **self.runner.cpu_threads.stats_group(),
         }
-
-    def reset_prefix_cache(self) -> int:
-        return self.cache.reset() if self.cache else 0
+        for hook in self.step_hooks:
+            stats.update(hook.stats_group())
+        return stats
 
     @property
-    def workers(self) -> Workers | None:
-        """The handle on the other ranks of a split model (None with one rank)."""
-        return self.ranks.workers
+    def num_ranks(self) -> int:
+        return self.config.tensor_parallel_size
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request uses (and every state snapshot); return how
+        many pages were freed."""
+        if self.states is not None:
+            self.states.reset()
+        return self.cache.reset() if self.cache else 0
 
     def shutdown(self) -> None:
         """Stop the other ranks of a split model, if any (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()
-
-
-def runner_settings(config: EngineConfig, max_model_len: int) -> RunnerSettings:
-    """The engine settings a runner uses."""
-    return RunnerSettings(
-        device=config.device, dtype=config.dtype, page_size=config.page_size,
-        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-        kv_storage_dtype=config.kv_storage_dtype, quantization=config.quantization,
-        attention_backend=config.attention_backend, decode_buckets=config.decode_buckets,
-        enforce_eager=config.enforce_eager,
-    )

@@ -15,9 +15,7 @@ from typing import Any
 
 from nanoqwen.engine import LLMEngine, Prompt
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
-from nanoqwen.scheduling.waiting_queue import priority_list
+from nanoqwen.sampling.params import PoolingParams, SamplingParams
 
 Message = dict[str, Any]
 Params = SamplingParams | PoolingParams
@@ -41,23 +39,21 @@ class LLM:
         Every prompt is queued or none is: one refused (a `ValueError`) takes back the
         ones queued before it.
         """
-        prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(params, len(prompt_list))
-        priorities = priority_list(priority, len(prompt_list))
-        ids: list[str] = []
-        final: dict[str, RequestOutput] = {}
+        outputs: dict[str, RequestOutput | None] = {}  # in prompt order, None until finished
         try:
-            for prompt, sampling, rank in zip(prompt_list, params_list, priorities):
-                ids.append(self.engine.add_request(prompt, sampling, priority=rank))
-            while len(final) < len(ids):
+            for prompt, sampling, rank in _one_per_prompt(prompts, params, priority):
+                outputs[self.engine.add_request(prompt, sampling, priority=rank)] = None
+            unfinished = len(outputs)
+            while unfinished:
                 for output in self.engine.step():
-                    if output.finished:
-                        final[output.request_id] = output
+                    if output.finished and output.request_id in outputs:
+                        outputs[output.request_id] = output
+                        unfinished -= 1
         finally:
-            for request_id in ids:
-                if request_id not in final:
+            for request_id, output in outputs.items():
+                if output is None:
                     self.engine.abort(request_id)
-        return [final[request_id] for request_id in ids]
+        return list(outputs.values())
 
     def chat(
         self,
@@ -99,7 +95,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Each prompt's embedding (`output.embedding`): its last token's final hidden
-        state, unit length unless `PoolingParams(normalize=False)` (`pooling.py`)."""
+        state, unit length unless `PoolingParams(normalize=False)` (`sampling/pooling.py`)."""
         return self.generate(prompts, params or PoolingParams(), priority)
 
     def stream(
@@ -141,18 +137,23 @@ class LLM:
         self.shutdown()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)
-
-
-def _as_params_list(params: Params | Sequence[Params] | None, count: int) -> list[Params]:
+def _one_per_prompt(
+    prompts: Prompt | Sequence[Prompt],
+    params: Params | Sequence[Params] | None,
+    priority: Sequence[int] | None,
+) -> list[tuple[Prompt, Params | None, int]]:
+    """(prompt, params, priority) for each prompt. One prompt may come alone (a string, or a
+    list of token ids), and one `params` may serve every prompt; priorities are checked as
+    their requests are added."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    count = len(prompts)
     if params is None or isinstance(params, (SamplingParams, PoolingParams)):
-        return [params or SamplingParams()] * count
-    params = list(params)
+        params = [params] * count
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return params
+    priorities = [0] * count if priority is None else priority
+    if not isinstance(priorities, (list, tuple)) or len(priorities) != count:
+        raise ValueError(f"priority must be a list of {count} integers, got {priority!r}")
+    return list(zip(prompts, params, priorities))

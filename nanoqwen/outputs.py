@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoqwen.sampling.logprobs import TokenLogprobs
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the token there, its log-probability, and the likeliest tokens'
+    (`sampling/logprobs.py` computes them)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass
@@ -31,7 +39,7 @@ class RequestOutput:
     # first, which nothing predicts).
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    embedding: list[float] | None = None  # an embedding request's vector (`pooling.py`)
+    embedding: list[float] | None = None  # an embedding request's vector (`sampling/pooling.py`)
     # What ended a request that finished "stop": the stop string, or the stop token's id.
     stop_reason: str | int | None = None
 

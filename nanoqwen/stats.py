@@ -29,6 +29,10 @@ marks a value of this moment.
 | | `hit_tokens` | of them, those whose K/V was reused |
 | | `hit_rate` | `hit_tokens / query_tokens` (0 before any lookup) |
 | | `evicted_pages` | cached pages evicted to make room |
+| `state_pool` | `slots_total` | slots of the state pool (a model with recurrent layers only) |
+| | `slots_running` | now held by running requests |
+| | `slots_snapshots` | now holding prefix snapshots: reusable, evicted when slots run out |
+| | `slots_free` | now free |
 | `cpu` | `cores` | cores this process may run on (on a CPU only; rank 0's, with split ranks) |
 | | `threads` | threads the last step ran on (`runner/cpu_threads.py`) |
 | | `others_cores` | cores' worth of time others took, as last read: other processes and this one's other Python threads (a server's handlers) |
@@ -67,6 +71,21 @@ def requests_group(scheduler: Scheduler, finished: dict[str, int]) -> dict[str, 
         "finished": dict(finished),
         "preemptions": sum(scheduler.preemptions.values()),
         "preemptions_by_cause": dict(scheduler.preemptions),
+    }
+
+
+def state_pool_group(states: Any) -> Stats:
+    """The `state_pool` group (`memory/state_pool.py`'s `StateSlots`), or nothing for a
+    model without recurrent layers."""
+    if states is None:
+        return {}
+    return {
+        "state_pool": {
+            "slots_total": states.num_slots,
+            "slots_running": states.num_running,
+            "slots_snapshots": len(states.snapshots),
+            "slots_free": len(states.free),
+        }
     }
 
 

@@ -19,7 +19,15 @@ import pytest  # noqa: E402
 from server_helpers import client_for, running_server  # noqa: E402
 
 from nanoqwen.server import OpenAIServer  # noqa: E402
-from tools.checkpoints import build_qwen2, build_qwen3  # noqa: E402
+from tools.checkpoints import (  # noqa: E402
+    build_qwen2,
+    build_qwen2_moe,
+    build_qwen3,
+    build_qwen3_5,
+    build_qwen3_5_moe,
+    build_qwen3_moe,
+    build_qwen3_next,
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +50,29 @@ def model_dir(request: pytest.FixtureRequest) -> str:
 def tokenizer_dir(qwen3_dir: str) -> str:
     """Both checkpoints share one tokenizer; any model directory holds it."""
     return qwen3_dir
+
+
+# The newer kinds: mixture-of-experts and hybrid (linear-attention) decoders.
+NEWER_KINDS = {
+    "qwen2_moe": build_qwen2_moe, "qwen3_moe": build_qwen3_moe, "qwen3_next": build_qwen3_next,
+    "qwen3_5": build_qwen3_5, "qwen3_5_moe": build_qwen3_5_moe,
+}
+
+
+@pytest.fixture(scope="session")
+def newer_kind_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny checkpoint of each newer kind, built on first use."""
+    return _LazyCheckpoints(tmp_path_factory)
+
+
+class _LazyCheckpoints(dict):
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, kind: str) -> str:
+        self[kind] = NEWER_KINDS[kind](self.factory.mktemp(kind))
+        return self[kind]
 
 
 @pytest.fixture(scope="module")

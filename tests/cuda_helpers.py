@@ -16,10 +16,11 @@ import threading
 import pytest
 import torch
 from oracle import greedy, run_to_completion
+from steps import step_of
 
 from nanoqwen import LLMEngine
 from nanoqwen.memory.kv_cache import KVCache
-from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
+from nanoqwen.runner.runner import StepInputs
 from tools.checkpoints import build_qwen2
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -62,11 +63,11 @@ def random_step(pool: KVCache, rows: list[tuple[int, int]], seed: int) -> StepIn
     rng = random.Random(seed)
     free = list(range(1, pool.num_pages))
     rng.shuffle(free)
-    builder = StepInputsBuilder(pool.page_size)
+    hand_rows = []
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        builder.add_row([0] * new, cached, pages, num_sampled=1)
-    return builder.build(pool.kv.device, [], [])
+        hand_rows.append((cached, [0] * new, pages, 1))
+    return step_of(hand_rows, pool.page_size, pool.kv.device)
 
 
 def greedy_outputs(

@@ -27,8 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanoqwen.attention.base import AttentionMetadata
-from nanoqwen.attention.reference import ReferenceBackend
+from nanoqwen.attention.base import AttentionMetadata, ReferenceBackend
 
 Log = list[tuple[str, object]]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -91,6 +90,9 @@ class FakeWrapper:
             kv_indices=self.planned["kv_indices"],
             kv_last_page_len=self.planned["last_page_len"],
             positions=nothing, slot_mapping=nothing, max_q_len=0, max_kv_len=0,
+            qo_indptr_host=self.planned["qo_indptr"].cpu(),
+            kv_indptr_host=self.planned["kv_indptr"].cpu(),
+            kv_last_page_len_host=self.planned["last_page_len"].cpu(),
         ))
         no_new_kv = q.new_zeros(0, num_kv_heads, head_dim)
         return reference.forward(0, q, no_new_kv, no_new_kv)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.memory.page_allocator import SCRATCH_PAGE
+from nanoqwen.memory.state_pool import FIRST_SLOT
 
 
 @lru_cache(maxsize=8)
@@ -98,3 +99,18 @@ def check_page_accounting(engine: LLMEngine) -> None:
     )
     if cache is not None:
         assert cache.num_pages == len(tree_pages)
+    if engine.states is not None:
+        check_state_accounting(engine)
+
+
+def check_state_accounting(engine: LLMEngine) -> None:
+    """Every slot of the state pool is exactly one of free, a running request's, or a
+    snapshot's; no two requests share one."""
+    states = engine.states
+    held = [r.state_slot for r in engine.requests.values() if r.state_slot is not None]
+    snapshots = [snapshot.slot for snapshot in states.snapshots.values()]
+    everything = sorted(states.free + held + snapshots)
+    assert everything == list(range(FIRST_SLOT, FIRST_SLOT + states.num_slots)), everything
+    assert len(held) == states.num_running
+    pool = engine.stats()["state_pool"]
+    assert pool["slots_free"] + pool["slots_running"] + pool["slots_snapshots"] == pool["slots_total"]

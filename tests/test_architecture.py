@@ -1,47 +1,55 @@
-"""The package's shape: one room per concept, imports running one way, modules kept short.
+"""The package's shape: one room per concept, imports running one way, a core that reads in
+one sitting, and features that stay out of a plain request's way.
 
 A reader should be able to learn the engine room by room: the KV memory before the
 scheduler that hands it out, the attention backends before the runner that drives them,
 the engine before the server that wraps it. That only works if no room reaches up (or
 around, in a circle) to something a later room explains. These tests parse every module's
-imports and hold them to the tiers the README's map draws, and they keep optional features
-(speculative decoding, tensor parallelism, checkpoint formats) in their own rooms, plugged
-into the core through narrow hooks.
+imports and hold them to the tiers the README's map draws. Optional features (speculative
+decoding, tensor parallelism, quantized weight formats, grammars, logprobs, the server)
+attach at hooks the core calls without knowing who is behind them; what a plain engine
+imports, and what one plain request runs, are measured, not guessed from words.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "nanoqwen"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "nanoqwen"
 # Lowest tier first. A room may import rooms of its own tier or of a lower one, never of a
 # higher one; no imports may form a cycle, between rooms or between modules.
 TIERS = [
-    {"config", "memory"},
+    {"config", "outputs", "memory"},
     {"attention", "sampling"},
     {"model"},
-    {"weights", "text", "parallel"},
+    {"weights", "text"},
     {"scheduling", "runner"},
-    {"speculative"},
-    {"outputs", "stats", "engine", "llm"},
+    {"parallel", "speculative"},
+    {"stats", "engine", "llm"},
     {"__init__", "cli", "metrics", "server"},
 ]
 MAX_MODULE_LINES = 400
 MAX_TOP_LEVEL_MODULES = 8
-# Each optional feature's words, and its room. Outside it, at most
-# `MAX_FILES_NAMING_A_FEATURE` modules may name the feature (its hook), besides the
-# surfaces that list options and figures to users.
-FEATURE_WORDS = {
-    "speculative": re.compile(r"draft|speculat", re.IGNORECASE),
-    "parallel": re.compile(r"all_reduce|tensor_parallel|TensorParallel|\btp\b"),
-    "weights": re.compile(r"gguf|gptq|awq", re.IGNORECASE),
-}
-MAX_FILES_NAMING_A_FEATURE = 2
-SURFACES = {"config", "cli", "metrics", "server"}
+# Modules a plain engine must not load: each is a feature, imported only when used.
+FEATURE_MODULES = (
+    "nanoqwen.speculative", "nanoqwen.parallel", "nanoqwen.weights.gguf",
+    "nanoqwen.weights.gptq_awq", "nanoqwen.weights.quantization", "nanoqwen.sampling.grammar",
+    "nanoqwen.sampling.logprobs", "nanoqwen.sampling.penalties", "nanoqwen.sampling.pooling",
+    "nanoqwen.server", "nanoqwen.memory.kv_quant", "nanoqwen.model.packed",
+    "nanoqwen.runner.memory_profile", "nanoqwen.runner.cuda_graph",
+)
+# One plain request (`LLM.generate`, CPU, float32, reference attention) may run at most
+# this much of the package: the teaching core's budget (docs/learn/00-core.md).
+CORE_BUDGET = {"functions": 80, "files": 16, "lines": 3000}
 
 
 def room_of(path: Path) -> str:
@@ -167,17 +175,102 @@ def test_few_modules_sit_directly_in_the_package() -> None:
     assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
 
 
-@pytest.mark.parametrize("feature", FEATURE_WORDS)
-def test_optional_features_stay_in_their_rooms(feature: str) -> None:
-    """Speculative decoding, tensor parallelism and checkpoint formats each plug into the
-    core through a narrow hook: few modules outside the feature's room even name it."""
-    naming = sorted(
-        str(path.relative_to(PACKAGE))
-        for path in modules()
-        if room_of(path) not in (feature, *SURFACES)
-        and FEATURE_WORDS[feature].search(path.read_text())
-    )
-    assert len(naming) <= MAX_FILES_NAMING_A_FEATURE, f"{feature} is named in {naming}"
+# Run in a fresh interpreter: what one plain request imports and runs, measured with
+# `sys.setprofile` (every call of a nanoqwen function, by file and qualified name).
+PLAIN_REQUEST = textwrap.dedent("""
+    import json, os, sys
+    import nanoqwen.engine
+    after_import = sorted(sys.modules)
+    from nanoqwen import LLM, SamplingParams
+    package = os.path.dirname(nanoqwen.__file__)
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", attention_backend="reference")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(["hello world"], params)  # first calls and lazy imports out of the way
+    seen = set()
+    def note(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(package):
+            seen.add((os.path.relpath(path, package), frame.f_code.co_qualname))
+    sys.setprofile(note)
+    llm.generate(["the quick brown fox"], params)
+    sys.setprofile(None)
+    files = sorted({path for path, _ in seen})
+    print(json.dumps({
+        "imported": after_import, "loaded": sorted(sys.modules), "functions": len(seen),
+        "files": files, "lines": sum(len(open(os.path.join(package, f)).readlines()) for f in files),
+    }))
+""")
+
+
+@pytest.fixture(scope="module")
+def plain_request(qwen3_dir: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", PLAIN_REQUEST, qwen3_dir], capture_output=True,
+                            text=True, check=True, cwd=ROOT)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def features_in(modules: list[str]) -> list[str]:
+    return [name for name in modules if name.startswith(FEATURE_MODULES)]
+
+
+def test_importing_the_engine_loads_no_feature(plain_request: dict) -> None:
+    assert features_in(plain_request["imported"]) == []
+
+
+def test_serving_a_plain_request_loads_no_feature(plain_request: dict) -> None:
+    assert features_in(plain_request["loaded"]) == []
+
+
+def test_one_plain_request_reads_in_one_sitting(plain_request: dict) -> None:
+    measured = {"functions": plain_request["functions"], "files": len(plain_request["files"]),
+                "lines": plain_request["lines"]}
+    assert all(measured[key] <= CORE_BUDGET[key] for key in CORE_BUDGET), measured
+
+
+def test_the_core_note_lists_the_files_a_plain_request_runs(plain_request: dict) -> None:
+    """Every file one plain request runs is in the teaching core's list, with its line
+    count as it is (docs/learn/00-core.md)."""
+    note = (ROOT / "docs" / "learn" / "00-core.md").read_text()
+    listed = dict(re.findall(r"\[nanoqwen/([\w/]+\.py)\]\([^)]*\) \| (\d+) \|", note))
+    assert set(plain_request["files"]) <= set(listed)
+    for path, lines in listed.items():
+        assert int(lines) == len((PACKAGE / path).read_text().splitlines()), path
+
+
+@pytest.mark.parametrize(
+    "room", sorted(path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists())
+)
+def test_every_module_is_named_in_its_rooms_init(room: str) -> None:
+    """Each room's `__init__` says what to read in it: every module of the room."""
+    guide = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())) or ""
+    missing = [
+        path.name for path in sorted((PACKAGE / room).glob("*.py"))
+        if path.name != "__init__.py"
+        and f"`{path.name}`" not in guide and f"`{path.stem}`" not in guide
+    ]
+    assert not missing, f"nanoqwen/{room}/__init__.py does not name {missing}"
+
+
+def readme_rooms() -> list[list[str]]:
+    """The rooms of each row of the README's map, top to bottom."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Where things live", 1)[1].split("\n\n", 2)[2]
+    rows = [line for line in table.splitlines() if line.startswith("| [")]
+    return [[room_of(PACKAGE / link.removeprefix("nanoqwen/"))
+             for link in re.findall(r"\]\((nanoqwen/[\w/.]+)\)", row.split(" | ")[0])]
+            for row in rows]
+
+
+def test_the_readme_map_runs_down_the_tiers() -> None:
+    """Imports run one way, down the README's table: each row's rooms share a tier, every
+    room is there, and the tiers only fall from one row to the next."""
+    rows = readme_rooms()
+    tiers = [{tier_of(room) for room in row} for row in rows]
+    assert all(len(tier) == 1 for tier in tiers), rows
+    order = [tier.pop() for tier in tiers]
+    assert order == sorted(order, reverse=True), rows
+    documented = {room for row in rows for room in row}
+    assert set(room_graph()) - {"__init__"} <= documented
 
 
 def test_the_checker_sees_imports() -> None:

@@ -17,12 +17,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from steps import step_of
 
-from nanoqwen.attention.base import AttentionBackend
-from nanoqwen.attention.reference import ReferenceBackend
+from nanoqwen.attention.base import AttentionBackend, ReferenceBackend
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
-from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.runner.startup import make_kv_cache
 
 HEAD_DIM = 16
 # A step's rows: (tokens already cached, new tokens) per request.
@@ -34,13 +35,12 @@ def random_step(pool: KVCache, rows: list[Row], seed: int) -> tuple[StepInputs, 
     rng = random.Random(seed)
     free = list(range(1, pool.num_pages))
     rng.shuffle(free)
-    builder = StepInputsBuilder(pool.page_size)
-    all_pages = []
+    hand_rows, all_pages = [], []
     for cached, new in rows:
         pages = [free.pop() for _ in range(-(-(cached + new) // pool.page_size))]
-        builder.add_row([0] * new, cached, pages, num_sampled=1)
+        hand_rows.append((cached, [0] * new, pages, 1))
         all_pages.append(pages)
-    return builder.build(pool.kv.device, [], []), all_pages
+    return step_of(hand_rows, pool.page_size, pool.kv.device), all_pages
 
 
 def formula_attention(
@@ -234,8 +234,8 @@ def test_decodes_of_a_quantized_cache_are_not_padded_to_a_prefill() -> None:
     """int8 pages have no sparse product: decodes are padded, in a group of their own, and
     rows verifying a few proposed tokens in another; no row is padded to the chunk."""
     rows = [(30, 1), (17, 40), (5, 1), (60, 3), (9, 4)]
-    pool = KVCache(1, 2, HEAD_DIM, 4, 64, torch.float32, torch.device("cpu"),
-                   storage_dtype=torch.int8)
+    pool = make_kv_cache(1, 2, HEAD_DIM, 4, 64, torch.float32, torch.device("cpu"),
+                         storage_dtype=torch.int8)
     inputs, _ = random_step(pool, rows, seed=0)
     backend = TorchBackend(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)

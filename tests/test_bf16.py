@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from bf16_oracle import assert_greedy_agrees, hf_bf16, hf_greedy_with_logits, tie_margin
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
+from torch import nn
 
 from nanoqwen import LLMEngine
-from nanoqwen.model.packed import PackableLinear, pack_linear_weights
+from nanoqwen.model.layers import RowParallelLinear, Split
+from nanoqwen.model.packed import pack_linear_weights
 from nanoqwen.weights import loader
 
 VOCAB = 800
@@ -35,7 +37,7 @@ def test_first_step_logits_are_within_the_bf16_bound(engines, model_dir: str) ->
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=2)
     for prompt in prompts:
         engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule().batch
+    batch = engine.scheduler.schedule().rows
     inputs = engine.runner.prepare(batch)
     logits = engine.runner.forward(inputs)
     assert logits.dtype == torch.bfloat16
@@ -77,7 +79,7 @@ needs_packing = pytest.mark.skipif(
 @pytest.mark.parametrize("out_features, in_features, bias", [(96, 64, True), (64, 352, False)])
 def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
     torch.manual_seed(rows)
-    layer = PackableLinear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = F.linear(x, layer.weight, layer.bias)
@@ -87,12 +89,27 @@ def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features
 
 
 @needs_packing
+def test_a_packed_row_parallel_layer_keeps_its_own_forward() -> None:
+    """Packing swaps the matmul, not the layer: a row-parallel layer still runs its own
+    forward (the all-reduce, with one rank a no-op) around the packed product."""
+    torch.manual_seed(0)
+    layer = RowParallelLinear(Split(0, 64), 32).to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = F.linear(x, layer.weight)
+        pack_linear_weights(layer)
+        assert isinstance(layer, RowParallelLinear) and layer.weight.is_mkldnn
+        assert torch.equal(layer(x), expected)
+
+
+@needs_packing
 def test_packing_leaves_greedy_tokens_unchanged_and_gives_a_tied_lm_head_its_own_copy(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engines = []
     for packs in (True, False):
-        monkeypatch.setattr(loader, "packs_linear_weights", lambda dtype, device, packs=packs: packs)
+        form = "onednn_packed" if packs else None
+        monkeypatch.setattr(loader, "weight_form", lambda *args, form=form: form)
         engines.append(LLMEngine(model_dir, device="cpu", dtype="bfloat16", num_pages=200, max_num_seqs=16))
     packed, plain = (engine.runner.model for engine in engines)
     assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn

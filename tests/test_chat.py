@@ -19,9 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
-from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.filesize import decimal
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.text.tokenizer import FALLBACK_SAMPLING
+from nanoqwen.text.generation_config import FALLBACK_SAMPLING
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_SCRIPT = ROOT / "chat.py"

@@ -26,6 +26,7 @@ from nanoqwen import LLMEngine
 from nanoqwen.attention.base import AttentionShape
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
+from nanoqwen.runner.startup import make_kv_cache
 
 GIB = 2**30
 VOCAB = 800
@@ -66,7 +67,7 @@ def test_float32_on_cuda_falls_back_to_torch_without_graphs(
     with caplog.at_level(logging.WARNING):
         engine = LLMEngine(model_64, device="cuda", dtype="float32", num_pages=64)
     assert isinstance(engine.runner.backend, TorchBackend)
-    assert engine.runner.decode_graphs is None
+    assert engine.runner.graphs is None
     assert any("float32" in record.getMessage() for record in caplog.records)
 
 
@@ -140,7 +141,7 @@ def test_the_torch_backend_stays_within_its_stated_bound(kv_dtype: torch.dtype) 
     within `step_memory`, the bound the start-up profile checks and the sizing tests use."""
     rows = [(3999, 1)] * 32 + [(2000, 2048)]
     num_pages = 1 + sum(-(-(cached + new) // 16) for cached, new in rows)
-    pool = KVCache(1, 8, 128, 16, num_pages, torch.bfloat16, CUDA, storage_dtype=kv_dtype)
+    pool = make_kv_cache(1, 8, 128, 16, num_pages, torch.bfloat16, CUDA, storage_dtype=kv_dtype)
     inputs = random_step(pool, rows, seed=0)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, 16, 128, dtype=torch.bfloat16, device=CUDA)

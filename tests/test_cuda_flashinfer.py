@@ -30,7 +30,10 @@ from cuda_helpers import (  # noqa: F401 (fixtures)
 from oracle import greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLMEngine
-from nanoqwen.attention.flashinfer_backend import FlashInferBackend, flashinfer_backend_for
+from nanoqwen.attention.flashinfer_backend import (
+    FlashInferBackend,
+    flashinfer_backend_for,
+)
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.weights.checkpoint import read_checkpoint
@@ -123,8 +126,8 @@ def test_engine_uses_flashinfer_and_captures_every_bucket(engines) -> None:
     graphed, eager = engines
     backend = graphed.runner.backend
     assert isinstance(backend, FlashInferBackend)
-    assert sorted(graphed.runner.decode_graphs.graphs) == BUCKETS
-    assert eager.runner.decode_graphs is None
+    assert sorted(graphed.runner.graphs.graphs) == BUCKETS
+    assert eager.runner.graphs is None
     # One event per wrapper: each fences its own staging buffer.
     wrappers = [backend.prefill_wrapper, backend.decode_wrapper]
     wrappers += backend.graph_decode_wrappers.values()
@@ -153,7 +156,7 @@ def test_replays_allocate_nothing(engines) -> None:
     for prompt in random_prompts(VOCAB, [7, 20, 33, 4, 50], seed=3):
         engine.add_request(prompt, greedy(50))
     engine.step()  # the prefill
-    inputs = engine.runner.prepare(engine.scheduler.schedule().batch)
+    inputs = engine.runner.prepare(engine.scheduler.schedule().rows)
     assert inputs.metadata.batch_size == 8 and inputs.bucket == 8
     logits = engine.runner.forward(inputs)
     first = logits.clone()
@@ -196,7 +199,7 @@ def test_steps_that_sample_nothing_attend_with_their_own_plan(
 def test_an_engine_on_cuda_0_serves_from_another_thread(model_64: str) -> None:
     engine = LLMEngine(model_64, device="cuda:0", decode_buckets=[1, 2, 4], num_pages=256)
     assert engine.runner.device == torch.device("cuda", 0)
-    assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
+    assert sorted(engine.runner.graphs.graphs) == [1, 2, 4]
     prompts = random_prompts(VOCAB, [5, 17, 40], seed=10)
     in_thread = greedy_outputs(engine, prompts, 10, in_thread=True)
     assert in_thread == greedy_outputs(engine, prompts, 10)
@@ -211,7 +214,7 @@ def test_graphs_on_the_second_gpu_match_the_first(model_64: str) -> None:
     outputs = []
     for device in ("cuda:0", "cuda:1"):
         engine = LLMEngine(model_64, device=device, decode_buckets=[1, 2, 4], num_pages=256)
-        assert sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4]
+        assert sorted(engine.runner.graphs.graphs) == [1, 2, 4]
         outputs.append(greedy_outputs(engine, prompts, 10, in_thread=True))
     assert outputs[1] == outputs[0]
 
@@ -224,7 +227,7 @@ def test_kv_pool_fills_the_memory_budget(model_64: str) -> None:
     free, total = torch.cuda.mem_get_info()
     utilization = min(1.0, (total - free) / total + 0.2)
     engine = LLMEngine(model_64, device="cuda", gpu_memory_utilization=utilization)
-    assert len(engine.runner.decode_graphs.graphs) == len(engine.runner.decode_buckets)
+    assert len(engine.runner.graphs.graphs) == len(engine.runner.graphs.buckets)
     for prompt in random_prompts(VOCAB, [1000 + i for i in range(8)], seed=5):
         engine.add_request(prompt, greedy(4))
     for prompt in random_prompts(VOCAB, [20 + i for i in range(64)], seed=6):

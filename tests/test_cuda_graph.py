@@ -40,7 +40,7 @@ def record_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[Ste
 
     def logged(inputs):
         metadata = inputs.metadata
-        steps.append(Step(len(inputs.sampled_requests), metadata.batch_size, metadata.is_decode))
+        steps.append(Step(len(inputs.sampled), metadata.batch_size, metadata.max_q_len == 1))
         return forward(inputs)
 
     monkeypatch.setattr(engine.runner, "forward", logged)
@@ -94,19 +94,20 @@ def test_default_buckets() -> None:
 def test_buckets_are_on_where_graphs_can_be_captured(qwen3_dir: str) -> None:
     engine = make_engine(qwen3_dir)
     model_config = engine.model_config
-    assert engine.runner.decode_buckets == [] and engine.runner.decode_graphs is None  # CPU default
+    assert engine.runner.graphs is None  # CPU default
 
     cuda = torch.device("cuda")  # the policy only reads it; nothing runs there
     rope = model_config.rope_type
-    assert decode_buckets(None, False, 32, cuda, FlashInferBackend, rope) == default_buckets(32)
-    assert decode_buckets(None, False, 32, cuda, TorchBackend, rope) == []
-    assert decode_buckets(None, False, 32, cuda, FlashInferBackend, "dynamic") == []
-    assert decode_buckets(None, True, 32, cuda, FlashInferBackend, rope) == []
+    assert decode_buckets(None, 32, cuda, FlashInferBackend, rope) == default_buckets(32)
+    assert decode_buckets(None, 32, cuda, TorchBackend, rope) == []
+    assert decode_buckets(None, 32, cuda, FlashInferBackend, "dynamic") == []
 
     asked = EngineConfig(model="m", device="cpu", decode_buckets=[8, 1, 4, 4]).decode_buckets
     cpu = torch.device("cpu")
-    assert decode_buckets(asked, False, 32, cpu, TorchBackend, rope) == [1, 4, 8]
-    assert decode_buckets(asked, True, 32, cpu, TorchBackend, rope) == []
+    assert decode_buckets(asked, 32, cpu, TorchBackend, rope) == [1, 4, 8]
+    # Asked for and forbidden at once, no step is padded.
+    eager = make_engine(qwen3_dir, decode_buckets=[1, 2], enforce_eager=True)
+    assert eager.runner.graphs is None
 
 
 @pytest.mark.parametrize("buckets", [[0], [1, -8], [2.5]])

@@ -18,7 +18,7 @@ import io
 import logging
 import re
 import sys
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import fake_flashinfer
@@ -28,6 +28,7 @@ from cuda_helpers import build_model_64
 from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
 from oracle import greedy, random_prompts, run_to_completion
 from rich.console import Console
+from steps import step_of
 
 import nanoqwen
 from nanoqwen import LLMEngine
@@ -46,14 +47,15 @@ from nanoqwen.attention.flashinfer_backend import (
 )
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
+from nanoqwen.config import RunnerSettings
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import TensorParallel
-from nanoqwen.parallel.launch import Ranks
+from nanoqwen.parallel.step_broadcast import step_from_wire, step_to_wire
 from nanoqwen.runner import runner as runner_module
+from nanoqwen.runner import startup
 from nanoqwen.runner.cuda_graph import DecodeGraphRunner
-from nanoqwen.runner.pipeline import StepPipeline
-from nanoqwen.runner.runner import ModelRunner, RunnerSettings, exact_device
-from nanoqwen.runner.step_inputs import StepInputs, StepInputsBuilder
+from nanoqwen.runner.runner import ModelRunner, moved
+from nanoqwen.runner.startup import exact_device, start_runners
 from nanoqwen.speculative import proposers
 from nanoqwen.weights.checkpoint import read_checkpoint
 
@@ -322,19 +324,30 @@ def test_unsupported_shapes_say_why(
 
 
 # ----------------------------------------------------------------- the model's device
+class recorder_of:
+    """A stand-in for `on_device`: its contexts push their device on `current` while they
+    are entered (each one reusable, like the contexts it stands in for)."""
+
+    def __init__(self, current: list[torch.device]) -> None:
+        self.current = current
+
+    def __call__(self, device: torch.device) -> AbstractContextManager[None]:
+        current = self.current
+
+        class Entered:
+            def __enter__(self) -> None:
+                current.append(device)
+
+            def __exit__(self, *exc_info: object) -> None:
+                current.pop()
+
+        return Entered()
+
+
 def test_start_up_and_every_step_run_on_the_models_device(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     current: list[torch.device] = []
-
-    @contextmanager
-    def recording_device(device: torch.device):
-        current.append(device)
-        try:
-            yield
-        finally:
-            current.pop()
-
     seen: dict[str, list[list[torch.device]]] = {}
 
     def spy(name: str, function):
@@ -343,19 +356,21 @@ def test_start_up_and_every_step_run_on_the_models_device(
             return function(*args, **kwargs)
         return wrapped
 
+    recording_device = recorder_of(current)
     monkeypatch.setattr(runner_module, "on_device", recording_device)
-    monkeypatch.setattr(runner_module, "attention_backend_class",
+    monkeypatch.setattr(startup, "on_device", recording_device)
+    monkeypatch.setattr(startup, "attention_backend_class",
                         spy("choose backend", attention_backend_class))
-    monkeypatch.setattr(ModelRunner, "_make_cache", spy("allocate cache", ModelRunner._make_cache))
+    monkeypatch.setattr(startup, "make_kv_cache", spy("allocate cache", startup.make_kv_cache))
     monkeypatch.setattr(DecodeGraphRunner, "capture_all",
                         spy("capture", DecodeGraphRunner.capture_all))
-    monkeypatch.setattr(StepPipeline, "forward", spy("eager step", StepPipeline.forward))
+    monkeypatch.setattr(ModelRunner, "forward", spy("step", ModelRunner.forward))
     monkeypatch.setattr(DecodeGraphRunner, "forward", spy("bucket step", DecodeGraphRunner.forward))
     engine = LLMEngine(model_dir, device="cpu", num_pages=64, decode_buckets=[1, 2, 4])
     for prompt in random_prompts(VOCAB, [5, 11], seed=1):
         engine.add_request(prompt, greedy(3))
     run_to_completion(engine)
-    assert set(seen) == {"choose backend", "allocate cache", "capture", "eager step", "bucket step"}
+    assert set(seen) == {"choose backend", "allocate cache", "capture", "step", "bucket step"}
     for name, stacks in seen.items():
         assert all(stack == [engine.runner.device] for stack in stacks), name
 
@@ -366,23 +381,15 @@ def test_the_draft_models_passes_and_sampling_run_on_its_device(
     """The engine asks its proposer for drafts outside the target runner's device context,
     from whichever thread steps it: the draft runner makes its own device current for its
     passes and for sampling the drafts (its events and generators belong to it)."""
+    current: list[torch.device] = []
+    monkeypatch.setattr(runner_module, "on_device", recorder_of(current))
     engine = LLMEngine(model_dir, device="cpu", num_pages=64, draft_model=model_dir,
                        num_speculative_tokens=2)
-    draft_runner = engine.proposer.runner
+    draft_runner = engine.step_hooks[0].proposer.runner
     # The draft's runner told apart from the target's: what it makes current is noted as
     # another device (its tensors stay where they are).
     draft_device = torch.device("cpu", 1)
     monkeypatch.setattr(draft_runner, "device", draft_device)
-    current: list[torch.device] = []
-
-    @contextmanager
-    def recording_device(device: torch.device):
-        current.append(device)
-        try:
-            yield
-        finally:
-            current.pop()
-
     seen: dict[str, list[list[torch.device]]] = {}
 
     def spy(name: str, function):
@@ -391,15 +398,12 @@ def test_the_draft_models_passes_and_sampling_run_on_its_device(
             return function(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(runner_module, "on_device", recording_device)
-    monkeypatch.setattr(proposers, "on_device", recording_device)
+    monkeypatch.setattr(proposers, "on_device", recorder_of(current))
     monkeypatch.setattr(proposers, "draw", spy("draw drafts", proposers.draw))
-    monkeypatch.setattr(draft_runner.pipeline, "forward",
-                        spy("draft pass", draft_runner.pipeline.forward))
-    monkeypatch.setattr(draft_runner.sampler, "distribution",
-                        spy("draft distribution", draft_runner.sampler.distribution))
-    monkeypatch.setattr(engine.runner.pipeline, "forward",
-                        spy("target pass", engine.runner.pipeline.forward))
+    monkeypatch.setattr(draft_runner, "forward", spy("draft pass", draft_runner.forward))
+    monkeypatch.setattr(proposers, "distribution",
+                        spy("draft distribution", proposers.distribution))
+    monkeypatch.setattr(engine.runner, "forward", spy("target pass", engine.runner.forward))
     for prompt in random_prompts(VOCAB, [5, 11], seed=1):
         engine.add_request(prompt, greedy(6))
     run_to_completion(engine)
@@ -424,11 +428,8 @@ def test_a_step_reaches_the_gpu_in_copies_that_do_not_wait(
     """A split model's ranks receive each step on the host (rank 0 lays it out there, to
     send it): every tensor goes to the GPU from pinned memory, without blocking, so the
     host never waits for the GPU to finish the step before."""
-    builder = StepInputsBuilder(4)
-    builder.add_row([5, 6, 7], 0, [1], num_sampled=1)
-    builder.add_row([8], 9, [2, 3, 4], num_sampled=1)
-    laid_out = builder.build(torch.device("cpu"), [], [])
-    received = StepInputs.from_wire(laid_out.to_wire())
+    laid_out = step_of([(0, [5, 6, 7], [1], 1), (9, [8], [2, 3, 4], 1)], 4)
+    received = step_from_wire(step_to_wire(laid_out))
     pinned: list[torch.Tensor] = []
     copies: list[tuple[bool, bool]] = []  # (from pinned memory, non-blocking)
     to = torch.Tensor.to
@@ -448,7 +449,7 @@ def test_a_step_reaches_the_gpu_in_copies_that_do_not_wait(
         with monkeypatch.context() as patch:
             patch.setattr(torch.Tensor, "pin_memory", pin_memory)
             patch.setattr(torch.Tensor, "to", recording_to)
-            on_gpu = step.to(CUDA)
+            on_gpu = moved(step, CUDA)
         assert len(copies) == 8 and set(copies) == {(True, True)}
         # The host copies of the page table stay on the host, for backends that plan there.
         assert on_gpu.metadata.kv_indptr_host.tolist() == [0, 1, 4]
@@ -471,13 +472,14 @@ def test_a_split_model_warms_up_the_kernels_of_its_ranks_heads(
     monkeypatch.setattr(registry, "flashinfer_backend_for", warm_up)
     settings = RunnerSettings(
         device=torch.device("cpu"), dtype=torch.bfloat16, page_size=16, max_model_len=256,
-        max_num_seqs=4, kv_storage_dtype=torch.bfloat16, attention_backend="flashinfer",
+        max_num_seqs=4, chunk_size=64, kv_storage_dtype=torch.bfloat16,
+        attention_backend="flashinfer", num_pages=8,
     )
-    runner = ModelRunner(read_checkpoint(model_dir), settings, Ranks(tp=TensorParallel(1, 2)))
+    (runner,) = start_runners([read_checkpoint(model_dir)], settings, TensorParallel(1, 2))
     whole = model_config.attention_shape()
     assert (whole.num_heads, whole.num_kv_heads) == (4, 1)
     assert warmed_up == [AttentionShape(whole.num_layers, 2, 1, whole.head_dim)]
-    assert runner.shape == warmed_up[0]
+    assert runner.model.attention_shape == warmed_up[0]
 
 
 # ----------------------------------------------------------------- graph capture
@@ -497,7 +499,7 @@ def test_every_capture_records_on_a_stream_of_the_runners_own_device(
     """torch's default capture stream is created once per process, on whichever device
     captured first: a runner on a second GPU must name a stream of its own device."""
     engine = LLMEngine(model_dir, device="cpu", num_pages=64, decode_buckets=[1, 2, 4])
-    graphs = engine.runner.decode_graphs
+    graphs = engine.runner.graphs
     captures: list[tuple[FakeGraph, object, FakeStream | None]] = []
 
     @contextmanager
@@ -511,7 +513,7 @@ def test_every_capture_records_on_a_stream_of_the_runners_own_device(
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr("nanoqwen.runner.cuda_graph.can_capture", lambda *args: True)
-    engine.runner.pipeline.capture_graphs()
+    engine.runner.capture_graphs()
     assert len(captures) == 3 and sorted(graphs.graphs) == [1, 2, 4]
     streams = {id(stream) for _, _, stream in captures}
     assert len(streams) == 1, "every bucket captures on the same stream"

@@ -79,7 +79,7 @@ def test_first_step_logits_match_transformers(llm: LLM, model_dir: str) -> None:
     prompts = random_prompts(vocab(llm), [1, 9, 40, 250], seed=2)
     for prompt in prompts:
         engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule().batch
+    batch = engine.scheduler.schedule().rows
     inputs = engine.runner.prepare(batch)
     logits = engine.runner.forward(inputs)
     for row, prompt in enumerate(prompts):

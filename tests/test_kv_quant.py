@@ -30,17 +30,21 @@ from test_attention import HEAD_DIM, HEADS, ROWS, Row, random_step
 from nanoqwen import LLM, LLMEngine
 from nanoqwen.attention import flashinfer_backend as attention_flashinfer
 from nanoqwen.attention import registry
-from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.attention.base import AttentionBackend, ReferenceBackend
 from nanoqwen.attention.flashinfer_backend import (
     FlashInferBackend,
     flashinfer_unsupported_reason,
 )
-from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import KV_CACHE_DTYPES
-from nanoqwen.memory.kv_cache import TENSOR_SCALE, KVCache, dequantize, quantize
+from nanoqwen.memory.kv_quant import (
+    TENSOR_SCALE,
+    dequantize,
+    quantize,
+)
+from nanoqwen.runner.startup import make_kv_cache
 from nanoqwen.weights.checkpoint import read_checkpoint
 
 QUANTIZED = ["int8", "fp8_e4m3"]
@@ -81,7 +85,7 @@ def test_round_trip_error_is_within_half_a_step(
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_the_pool_stores_codes_and_scales_and_gathers_dequantized_pages(name: str) -> None:
     dtype = KV_CACHE_DTYPES[name]
-    pool = KVCache(2, 2, HEAD_DIM, 4, 6, torch.float32, CPU, storage_dtype=dtype)
+    pool = make_kv_cache(2, 2, HEAD_DIM, 4, 6, torch.float32, CPU, storage_dtype=dtype)
     assert pool.is_quantized and pool.kv.dtype == dtype and pool.kv.element_size() == 1
     k, v = torch.randn(2, 8, 2, HEAD_DIM)
     slots = torch.arange(8, 16)  # pages 2 and 3
@@ -94,7 +98,7 @@ def test_the_pool_stores_codes_and_scales_and_gathers_dequantized_pages(name: st
 
 
 def test_a_per_tensor_fp8_pool_stores_numbers_at_scale_one_and_saturates() -> None:
-    pool = KVCache(
+    pool = make_kv_cache(
         1, 2, HEAD_DIM, 4, 4, torch.bfloat16, CPU,
         storage_dtype=torch.float8_e4m3fn, per_vector_scales=False,
     )
@@ -114,7 +118,7 @@ def test_a_per_tensor_fp8_pool_stores_numbers_at_scale_one_and_saturates() -> No
 
 def test_int8_needs_a_scale_per_vector() -> None:
     with pytest.raises(ValueError, match="int8 KV cache needs a scale per vector"):
-        KVCache(1, 2, HEAD_DIM, 4, 4, torch.float32, CPU, storage_dtype=torch.int8,
+        make_kv_cache(1, 2, HEAD_DIM, 4, 4, torch.float32, CPU, storage_dtype=torch.int8,
                per_vector_scales=False)
 
 
@@ -145,7 +149,7 @@ def attend_full_and_quantized(
     torch.manual_seed(seed)
     num_pages = sum(-(-(cached + new) // page_size) for cached, new in rows) + 1
     pools = [
-        KVCache(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage,
+        make_kv_cache(1, num_kv_heads, HEAD_DIM, page_size, num_pages, dtype, CPU, storage_dtype=storage,
                per_vector_scales=per_vector_scales)
         for storage in (None, KV_CACHE_DTYPES[name])
     ]
@@ -190,7 +194,7 @@ def test_attention_over_a_quantized_pool_is_close_to_full_precision(
 
 
 def test_the_torch_backend_gathers_a_quantized_pool_s_decodes() -> None:
-    pool = KVCache(1, 2, HEAD_DIM, 4, 16, torch.float32, CPU, storage_dtype=torch.int8)
+    pool = make_kv_cache(1, 2, HEAD_DIM, 4, 16, torch.float32, CPU, storage_dtype=torch.int8)
     inputs, _ = random_step(pool, [(30, 1), (0, 12), (5, 1)], seed=0)
     backend = TorchBackend(pool, 4, 2, HEAD_DIM)
     backend.plan(inputs.metadata)
@@ -312,7 +316,7 @@ def test_a_draft_model_s_pool_is_quantized_too(qwen2_dir: str, qwen3_dir: str) -
     memory = 1 << 20
     engine = make_engine(qwen3_dir, "int8", draft_model=qwen2_dir, num_speculative_tokens=3,
                          kv_cache_memory=memory)
-    target, draft = engine.runner.kv_cache, engine.proposer.runner.kv_cache
+    target, draft = engine.runner.kv_cache, engine.step_hooks[0].proposer.runner.kv_cache
     assert draft.kv.dtype == torch.int8 and draft.scales is not None
     page_bytes = [pool.nbytes // pool.num_pages for pool in (target, draft)]
     assert draft.num_pages == target.num_pages == memory // sum(page_bytes) + 1
@@ -399,7 +403,7 @@ def test_flashinfer_reads_fp8_pages_like_the_reference_backend(rows: list[Row]) 
     if flashinfer_unsupported_reason(64, torch.bfloat16, torch.float8_e4m3fn) is not None:
         pytest.skip("flashinfer cannot run here")
     cuda = torch.device("cuda")
-    pool = KVCache(1, 2, 64, 16, 16, torch.bfloat16, cuda, storage_dtype=torch.float8_e4m3fn,
+    pool = make_kv_cache(1, 2, 64, 16, 16, torch.bfloat16, cuda, storage_dtype=torch.float8_e4m3fn,
                   per_vector_scales=False)
     every_slot = torch.arange(pool.num_pages * pool.page_size, device=cuda)
     pool.write(0, *torch.randn(2, every_slot.numel(), 2, 64, dtype=torch.bfloat16, device=cuda),

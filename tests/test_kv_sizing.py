@@ -8,6 +8,9 @@ that the profile runs that step, and the largest graph bucket's, through the bac
 that will serve.
 """
 
+import dataclasses
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,22 +23,21 @@ from nanoqwen.attention.base import AttentionShape
 from nanoqwen.attention.flashinfer_backend import FlashInferBackend
 from nanoqwen.attention.torch_backend import TorchBackend, attention_costs
 from nanoqwen.attention.torch_layout import MAX_CALL_BYTES, lay_out
-from nanoqwen.config import EngineConfig
-from nanoqwen.memory.sizing import (
-    CPU_KV_CACHE_FRACTION,
-    Overhead,
-    WorstStep,
-    cpu_kv_memory,
-)
-from nanoqwen.memory.sizing import gpu_kv_memory as kv_budget
+from nanoqwen.config import EngineConfig, RunnerSettings
 from nanoqwen.runner.cuda_graph import default_buckets
 from nanoqwen.runner.memory_profile import (
+    Overhead,
+    WorstStep,
+    measure_overheads,
     profile_overhead,
     worst_step,
     worst_step_attention_bytes,
 )
-from nanoqwen.runner.runner import ModelRunner, measure_overheads, worst_steps
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.memory_profile import gpu_kv_memory as kv_budget
+from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.runner.startup import CPU_KV_CACHE_FRACTION, RunnerParts, cpu_kv_memory
+from nanoqwen.sampling.sampler import Sampler
+from nanoqwen.scheduling.scheduler import Row
 from tools.checkpoints import PRESETS
 
 GIB = 2**30
@@ -77,17 +79,16 @@ def test_no_memory_left_says_what_to_change(fraction: float | None) -> None:
 
 
 # ----------------------------------------------------------------- the profiled step
-def step_shape(batch: ScheduledBatch) -> dict[str, int]:
+def step_shape(rows: list[Row]) -> dict[str, int]:
     """What a step's memory grows with: rows, tokens, sampled rows, context length."""
-    ends = [r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)]
-    decodes = sum(n == 1 for n in batch.num_new_tokens)
+    lengths = [len(row.token_ids) for row in rows]
     return {
-        "rows": len(batch),
-        "decodes": decodes,
-        "tokens": sum(batch.num_new_tokens),
-        "prompt tokens": sum(n for n in batch.num_new_tokens if n > 1),
-        "sampled": sum(batch.reaches_last_token(i) for i in range(len(batch))),
-        "context": max(ends, default=0),
+        "rows": len(rows),
+        "decodes": sum(n == 1 for n in lengths),
+        "tokens": sum(lengths),
+        "prompt tokens": sum(n for n in lengths if n > 1),
+        "sampled": sum(row.num_sampled for row in rows),
+        "context": max((row.start + n for row, n in zip(rows, lengths)), default=0),
     }
 
 
@@ -115,9 +116,9 @@ def test_the_profiled_step_bounds_every_scheduled_step(
     shapes = []
     prepare = engine.runner.prepare
 
-    def recorded(batch: ScheduledBatch):
-        shapes.append(step_shape(batch))
-        return prepare(batch)
+    def recorded(rows: list[Row], bucket: int | None = None):
+        shapes.append(step_shape(rows))
+        return prepare(rows, bucket)
 
     monkeypatch.setattr(engine.runner, "prepare", recorded)
     prompts = random_prompts(VOCAB, [length for length, _, _ in workload], seed=seed)
@@ -170,31 +171,44 @@ LIMITS_OF_WORST = (LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_mod
 WORST = WorstStep(*LIMITS_OF_WORST)
 
 
+def throwaway_runners(
+    engine: LLMEngine, backend_class: type, buckets: list[int]
+) -> Callable[[ModelRunner, int], ModelRunner]:
+    """What start-up profiles on: a runner of `model` on a cache of `num_pages` pages, with
+    `backend_class` and these graph buckets (the engine's own settings otherwise)."""
+    parts = RunnerParts(settings_of(engine), backend_class, buckets)
+    return parts.runner
+
+
+def settings_of(engine: LLMEngine) -> RunnerSettings:
+    return engine.config.runner_settings(engine.max_model_len)
+
+
 def profile(
-    runner: ModelRunner, backend_class: type, buckets: list[int], worst: WorstStep = WORST
+    engine: LLMEngine, backend_class: type, buckets: list[int], worst: WorstStep = WORST,
+    model=None,
 ) -> Overhead:
     """Run the memory profile on the CPU, with `backend_class` and these graph buckets."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "backend_class", backend_class)
-        patch.setattr(runner, "decode_buckets", buckets)
-        return profile_overhead(
-            runner._make_cache, runner._make_pipeline, worst, LIMITS["page_size"],
-            NoCounters(), backend_class.__name__,
-        )
+    make = throwaway_runners(engine, backend_class, buckets)
+    model = model or engine.runner.model
+    return profile_overhead(
+        lambda num_pages: make(model, num_pages), worst, LIMITS["page_size"], NoCounters(),
+        backend_class.__name__,
+    )
 
 
 def test_the_profile_runs_the_worst_steps_through_the_serving_backend(
     small_engine: LLMEngine,
 ) -> None:
     SpyBackend.planned = []
-    profile(small_engine.runner, SpyBackend, [1, 2, 4])
+    profile(small_engine, SpyBackend, [1, 2, 4])
     eager, bucket = SpyBackend.planned
     # Every sequence decoding and a full prefill chunk, all at max_model_len.
     assert eager.batch_size == LIMITS["max_num_seqs"] + 1
     assert sorted(eager.q_lens().tolist()) == [1] * LIMITS["max_num_seqs"] + [LIMITS["chunk_size"]]
     assert eager.max_kv_len == LIMITS["max_model_len"]
     # The largest bucket's decodes, through the bucket runner.
-    assert bucket.is_decode and bucket.batch_size == 4
+    assert bucket.max_q_len == 1 and bucket.batch_size == 4
     assert bucket.max_kv_len == LIMITS["max_model_len"]
 
 
@@ -205,17 +219,16 @@ def test_with_speculation_the_profiled_step_verifies_drafts_for_every_sequence(
         qwen3_dir, speculative="ngram", num_speculative_tokens=3, num_pages=64,
         max_num_seqs=LIMITS["max_num_seqs"], chunk_size=LIMITS["chunk_size"],
     )
-    runner = engine.runner
     rows: list[int] = []
-    choose = runner.choose_tokens
+    sample = Sampler.sample
 
     def spy(sampler, logits, requests):
         rows.append(len(logits))
-        return choose(sampler, logits, requests)
+        return sample(sampler, logits, requests)
 
-    monkeypatch.setattr(runner, "choose_tokens", spy)
+    monkeypatch.setattr(Sampler, "sample", spy)
     SpyBackend.planned = []
-    profile(runner, SpyBackend, [], WorstStep(*LIMITS_OF_WORST, max_proposed=3))
+    profile(engine, SpyBackend, [], WorstStep(*LIMITS_OF_WORST, max_proposed=3))
     (step,) = SpyBackend.planned
     # Every sequence verifying 3 drafts (1 + 3 rows, all sampled), and a prefill chunk.
     decodes = [1 + 3] * LIMITS["max_num_seqs"]
@@ -231,7 +244,7 @@ class OutOfMemoryBackend(TorchBackend):
 
 def test_a_step_that_cannot_fit_says_what_to_change(small_engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="OutOfMemoryBackend.*lower max_num_seqs"):
-        profile(small_engine.runner, OutOfMemoryBackend, [])
+        profile(small_engine, OutOfMemoryBackend, [])
 
 
 # ----------------------------------------------------------------- at a GPU's scale
@@ -278,10 +291,12 @@ def test_sizing_the_worst_step_of_qwen3_0_6b_on_an_80gb_gpu(
     worst = WorstStep(config.max_num_seqs, config.chunk_size, max_model_len,
                       config.num_speculative_tokens if with_draft else 0)
     buckets = default_buckets(config.max_num_seqs) if backend_class.supports_cuda_graphs else []
+    # A draft model's worst step has no tokens appended to verify.
+    steps = [worst, dataclasses.replace(worst, max_proposed=0)][:num_runners]
     attention = sum(
         worst_step_attention_bytes(backend_class, QWEN3_06B, config.page_size, config.dtype,
                                    kv_dtype, step, len(buckets))
-        for step in worst_steps(worst, num_runners)
+        for step in steps
     )
     assert attention <= 0.10 * DEVICE_BYTES
     in_use = num_runners * qwen3_06b_weight_bytes
@@ -335,64 +350,48 @@ def test_sizing_the_profile_refuses_a_step_whose_attention_cannot_fit(
             return 1000
 
     SpyBackend.planned = []
-    runner = small_engine.runner
+    make = throwaway_runners(small_engine, SpyBackend, [])
+    model = small_engine.runner.model
     message = r"SpyBackend.*lower max_num_seqs.* \(its attention alone needs up to 3\.00 GiB\)"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "backend_class", SpyBackend)
-        patch.setattr(runner, "decode_buckets", [])
-        arguments = (runner._make_cache, runner._make_pipeline, WORST, LIMITS["page_size"])
-        with pytest.raises(ValueError, match=message):
-            profile_overhead(*arguments, LittleFree(), "SpyBackend", attention_bytes=3 * GIB)
-        assert SpyBackend.planned == []  # refused before running anything
-        profile_overhead(*arguments, NoCounters(), "SpyBackend", attention_bytes=3 * GIB)
+    arguments = (lambda num_pages: make(model, num_pages), WORST, LIMITS["page_size"])
+    with pytest.raises(ValueError, match=message):
+        profile_overhead(*arguments, LittleFree(), "SpyBackend", attention_bytes=3 * GIB)
+    assert SpyBackend.planned == []  # refused before running anything
+    profile_overhead(*arguments, NoCounters(), "SpyBackend", attention_bytes=3 * GIB)
     assert len(SpyBackend.planned) == 1  # with room, the worst step ran
 
 
-def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(
-    qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(qwen3_dir: str) -> None:
     """The draft model computes the target's rows before any drafts are attached, then
     one-token rows: its worst step is the chunk and the sequences' decodes, which is what
-    its profile runs (the target's, with drafts to verify, is not a step it can run)."""
+    its profile runs; the target's has every decode verifying its drafts."""
     engine = LLMEngine(qwen3_dir, draft_model=qwen3_dir, num_speculative_tokens=3,
                        num_pages=64, **LIMITS)
-    target, draft = engine.runner, engine.proposer.runner
-    profiled: dict[str, tuple[WorstStep, list[list[int]]]] = {}
-
-    def measure(runner: ModelRunner, worst: WorstStep) -> Overhead:
-        SpyBackend.planned = []
-        profile(runner, SpyBackend, [], worst)  # the real profile, on the CPU
-        name = "target" if runner is target else "draft"
-        profiled[name] = (worst, [sorted(m.q_lens().tolist()) for m in SpyBackend.planned])
-        return Overhead(step=GIB)
-
-    monkeypatch.setattr(ModelRunner, "measure_overhead", measure)
-    worst = WorstStep(*LIMITS_OF_WORST, max_proposed=3)
-    assert measure_overheads([target, draft], worst) == Overhead(step=2 * GIB)
+    target, draft = engine.runner.model, engine.step_hooks[0].proposer.runner.model
+    SpyBackend.planned = []
+    measure_overheads([target, draft], throwaway_runners(engine, SpyBackend, []), SpyBackend,
+                      0, settings_of(engine), NoCounters(), max_proposed=3)
     sequences, chunk = LIMITS["max_num_seqs"], LIMITS["chunk_size"]
-    assert profiled["target"] == (worst, [[1 + 3] * sequences + [chunk]])
-    assert profiled["draft"] == (
-        WorstStep(*LIMITS_OF_WORST), [[1] * sequences + [chunk]]
-    )
-    # The target's worst step is not one the draft's runner could run: it samples one
-    # token per request, and would be handed four rows of logits for each.
-    with pytest.raises(ValueError, match="logits must be"):
-        profile(draft, SpyBackend, [], worst)
+    profiled = [sorted(metadata.q_lens().tolist()) for metadata in SpyBackend.planned]
+    assert profiled == [sorted([1 + 3] * sequences + [chunk]), sorted([1] * sequences + [chunk])]
 
 
 # ----------------------------------------------------------------- defaults on a CPU
 def test_the_cpu_default_is_what_the_context_needs_within_a_share_of_the_ram() -> None:
     """Every sequence at full length, capped by a share of the machine's RAM: the same
     figure whatever happens to be free at start-up."""
-    worst = WorstStep(max_num_seqs=4, chunk_size=16, max_model_len=100)
+    settings = RunnerSettings(
+        device=torch.device("cpu"), dtype=torch.float32, page_size=16, max_model_len=100,
+        max_num_seqs=4, chunk_size=16, kv_storage_dtype=torch.float32,
+    )
     page_bytes = 1000  # 100 tokens = 7 pages of 16
     needed = 4 * 7 * page_bytes
-    assert cpu_kv_memory(10 * GIB, 1 * GIB, None, worst, 16, page_bytes) == needed
-    assert cpu_kv_memory(10 * GIB, 5 * GIB, None, worst, 16, page_bytes) == needed
+    assert cpu_kv_memory(10 * GIB, 1 * GIB, None, settings, page_bytes) == needed
+    assert cpu_kv_memory(10 * GIB, 5 * GIB, None, settings, page_bytes) == needed
     tiny_ram = needed * 2
-    assert cpu_kv_memory(tiny_ram, 1, None, worst, 16, page_bytes) == CPU_KV_CACHE_FRACTION * tiny_ram
+    assert cpu_kv_memory(tiny_ram, 1, None, settings, page_bytes) == CPU_KV_CACHE_FRACTION * tiny_ram
     # Asked for as a fraction: of what is free.
-    assert cpu_kv_memory(10 * GIB, 4 * GIB, 0.5, worst, 16, page_bytes) == 2 * GIB
+    assert cpu_kv_memory(10 * GIB, 4 * GIB, 0.5, settings, page_bytes) == 2 * GIB
 
 
 @pytest.mark.parametrize("native", [True, False])

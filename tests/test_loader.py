@@ -131,7 +131,7 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict) -> None:
 def _first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     engine = llm.engine
     request_id = engine.add_request(prompt, greedy(1))
-    batch = engine.scheduler.schedule().batch
+    batch = engine.scheduler.schedule().rows
     logits = engine.runner.forward(engine.runner.prepare(batch))[0]
     engine.scheduler.advance(batch)
     engine.abort(request_id)

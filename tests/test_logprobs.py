@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.sampling.logprobs import TokenLogprobs
+from nanoqwen.outputs import TokenLogprobs
+from nanoqwen.sampling.logprobs import with_logprobs
+from nanoqwen.sampling.penalties import Penalties
 from nanoqwen.sampling.sampler import Sampler
 
 ENGINE = dict(dtype="float32", page_size=8, num_pages=128, max_num_seqs=4)
@@ -118,7 +120,7 @@ def test_prompt_logprobs_are_computed_once_despite_cache_and_preemption(model_di
     engine.step()
     assert request.num_cached_tokens == 0  # nothing owed a logprob comes from the cache
     first_chunk = list(request.prompt_logprobs)
-    engine.scheduler._preempt(request, "kv_pages", engine.scheduler.schedule().batch)
+    engine.scheduler._preempt(request, "kv_pages", engine.scheduler.schedule().rows)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -152,8 +154,11 @@ def test_logprobs_cost_one_copy_to_the_host(monkeypatch: pytest.MonkeyPatch) -> 
     rows = [Row(SamplingParams(temperature=0, logprobs=4)), Row(SamplingParams(temperature=0.8)),
             Row(SamplingParams(temperature=1.0, logprobs=1, repetition_penalty=1.2))]
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler()  # as the engine plugs it in for these requests
+    sampler.to_host = with_logprobs
+    sampler.add_processor(Penalties)
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
-    tokens = Sampler().sample(logits, rows)
+    tokens = sampler.sample(logits, rows)
     assert copies == 1
     assert len(rows[0].logprobs) == 1 and len(rows[0].logprobs[0].top) == 4
     assert rows[0].logprobs[0].token_id == tokens[0] == int(logits[0].argmax())

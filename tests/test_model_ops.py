@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-from nanoqwen.model.layers import RMSNorm
-from nanoqwen.model.rotary import apply_rotary
+from nanoqwen.model.layers import RMSNorm, apply_rotary
 
 # float32: reordered sums; bfloat16: one rounding step of the output (2^-8 relative).
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}

@@ -9,13 +9,24 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from nanoqwen.sampling.params import (
+from nanoqwen.sampling.params import SamplingParams, check_defaults
+from nanoqwen.sampling.penalties import AllowedTokens, LogitBias, Penalties
+from nanoqwen.sampling.sampler import Sampler, make_generator
+from nanoqwen.sampling.validation import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    SamplingParams,
 )
-from nanoqwen.sampling.sampler import Sampler, make_generator
+
+
+def full_sampler() -> Sampler:
+    """A sampler with every logits processor of `penalties.py` plugged in, as an engine's is
+    once its requests have asked for them all."""
+    sampler = Sampler()
+    for processor in (Penalties, LogitBias, AllowedTokens):
+        sampler.add_processor(processor)
+    return sampler
+
 
 VOCAB = 50
 
@@ -50,7 +61,7 @@ def logits_from_probs(probs: list[float], positions: list[int]) -> torch.Tensor:
 def draw_many(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> Counter[int]:
     torch.manual_seed(1234)  # the shared (unseeded) noise comes from the global generator
     batch = logits_row.expand(draws, -1)
-    return Counter(Sampler().sample(batch, requests_for(params, draws)))
+    return Counter(full_sampler().sample(batch, requests_for(params, draws)))
 
 
 def assert_frequencies_match(counts: Counter[int], expected: dict[int, float]) -> None:
@@ -68,13 +79,13 @@ def test_temperature_zero_is_argmax_for_any_float_dtype() -> None:
     logits = random_logits(16, seed=0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         cast = logits.to(dtype)
-        chosen = Sampler().sample(cast, requests_for(SamplingParams(temperature=0.0), 16))
+        chosen = full_sampler().sample(cast, requests_for(SamplingParams(temperature=0.0), 16))
         assert chosen == cast.argmax(dim=-1).tolist()
 
 
 def test_top_k_one_is_argmax_at_temperature_one() -> None:
     logits = random_logits(64, seed=1, scale=0.1)  # flat logits: real sampling would wander
-    chosen = Sampler().sample(logits, requests_for(SamplingParams(temperature=1.0, top_k=1), 64))
+    chosen = full_sampler().sample(logits, requests_for(SamplingParams(temperature=1.0, top_k=1), 64))
     assert chosen == logits.argmax(dim=-1).tolist()
 
 
@@ -87,7 +98,7 @@ def test_top_k_one_is_argmax_at_temperature_one() -> None:
 def test_sampling_does_not_modify_callers_logits(params: SamplingParams) -> None:
     logits = random_logits(4, seed=2)
     original = logits.clone()
-    Sampler().sample(logits, [FakeRequest(params, [1, 2], [3, 3]) for _ in range(4)])
+    full_sampler().sample(logits, [FakeRequest(params, [1, 2], [3, 3]) for _ in range(4)])
     assert torch.equal(logits, original)
 
 
@@ -108,7 +119,7 @@ def test_seeded_frequencies_match_softmax() -> None:
     probs = [0.5, 0.3, 0.15, 0.05]
     logits = logits_from_probs(probs, [7, 3, 40, 11])[None]
     request = FakeRequest(SamplingParams(seed=99))
-    counts = Counter(Sampler().sample(logits, [request])[0] for _ in range(3000))
+    counts = Counter(full_sampler().sample(logits, [request])[0] for _ in range(3000))
     assert_frequencies_match(counts, dict(zip([7, 3, 40, 11], probs)))
 
 
@@ -165,7 +176,7 @@ def run_steps(seeded_params: SamplingParams, companions: list[SamplingParams], r
     seeded = FakeRequest(seeded_params)
     others = [FakeRequest(p, prompt_token_ids=[0, 1, 2]) for p in companions]
     batch = others[:row] + [seeded] + others[row:]
-    sampler = Sampler()
+    sampler = full_sampler()
     tokens = []
     for step in range(steps):
         # The seeded request sees the same logits every run; companions see different ones.
@@ -203,7 +214,7 @@ def test_different_seeds_give_different_sequences() -> None:
     sequences = []
     for seed in (1, 2):
         request = FakeRequest(SamplingParams(seed=seed))
-        sequences.append([Sampler().sample(flat, [request])[0] for _ in range(50)])
+        sequences.append([full_sampler().sample(flat, [request])[0] for _ in range(50)])
     assert sequences[0] != sequences[1]
 
 
@@ -211,7 +222,7 @@ def test_seed_without_generator_is_rejected() -> None:
     request = FakeRequest(SamplingParams(seed=3))
     request.generator = None
     with pytest.raises(ValueError, match="generator"):
-        Sampler().sample(torch.zeros(1, VOCAB), [request])
+        full_sampler().sample(torch.zeros(1, VOCAB), [request])
 
 
 # --- penalties --------------------------------------------------------------------------------
@@ -219,7 +230,7 @@ def test_seed_without_generator_is_rejected() -> None:
 def greedy_token(logits_row: torch.Tensor, params: SamplingParams, prompt: list[int],
                  output: list[int]) -> int:
     request = FakeRequest(params, prompt_token_ids=prompt, output_token_ids=output)
-    return Sampler().sample(logits_row[None], [request])[0]
+    return full_sampler().sample(logits_row[None], [request])[0]
 
 
 def two_token_logits(first: float, second: float) -> torch.Tensor:
@@ -275,7 +286,7 @@ def test_penalties_apply_only_to_the_rows_that_ask_for_them() -> None:
     logits = two_token_logits(3.0, 2.0).expand(2, -1)
     penalised = FakeRequest(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [0])
     plain = FakeRequest(SamplingParams(temperature=0.0), [0], [0])
-    assert Sampler().sample(logits, [penalised, plain]) == [1, 0]
+    assert full_sampler().sample(logits, [penalised, plain]) == [1, 0]
 
 
 # --- mixed batches ----------------------------------------------------------------------------
@@ -286,7 +297,7 @@ def test_mixed_batch_rows_follow_their_own_params() -> None:
     greedy, top_k, top_p = (SamplingParams(temperature=0.0), SamplingParams(top_k=3),
                             SamplingParams(temperature=1.5, top_p=0.3))
     seeded = SamplingParams(temperature=0.8, seed=123)
-    seeded_alone = Sampler().sample(logits[3:4], [FakeRequest(seeded)])[0]
+    seeded_alone = full_sampler().sample(logits[3:4], [FakeRequest(seeded)])[0]
 
     top_k_set = set(logits[1].topk(3).indices.tolist())
     probs = torch.softmax(logits[2] / top_p.temperature, dim=0)
@@ -297,7 +308,7 @@ def test_mixed_batch_rows_follow_their_own_params() -> None:
     nucleus_draws = set()
     for _ in range(200):
         batch = [FakeRequest(p) for p in (greedy, top_k, top_p, seeded)]  # fresh generator
-        g, k, p, s = Sampler().sample(logits, batch)
+        g, k, p, s = full_sampler().sample(logits, batch)
         assert g == logits[0].argmax().item()
         assert k in top_k_set
         assert s == seeded_alone
@@ -350,9 +361,9 @@ def test_stop_limits_are_inclusive() -> None:
 
 
 def test_stop_is_normalised_to_a_list() -> None:
-    assert SamplingParams(stop="\n\n").stop_strings == ["\n\n"]
-    assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
-    assert SamplingParams().stop_strings == []
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    assert SamplingParams().stop == []
     assert SamplingParams().stop_token_ids == []
 
 
@@ -371,5 +382,9 @@ def test_settings_left_out_wait_for_the_models_defaults() -> None:
     filled = params.with_defaults(model)
     assert (filled.temperature, filled.top_p, filled.top_k, filled.min_p) == (1.0, 0.95, 20, 0.0)
     assert filled.unset == frozenset() and filled.with_defaults({"top_k": 5}) is filled
+    # A model's recommended values are checked once, when the engine starts, and a bad
+    # one is named as a caller's would be.
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams().with_defaults({"top_p": 0.0})  # a model's bad value is named too
+        check_defaults({"top_p": 0.0})
+    with pytest.raises(ValueError, match="unknown sampling defaults"):
+        check_defaults({"beam_width": 4})

@@ -43,7 +43,7 @@ from server_helpers import (
 )
 
 from nanoqwen import SamplingParams, StepError
-from nanoqwen.sampling.params import (
+from nanoqwen.sampling.validation import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,

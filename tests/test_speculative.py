@@ -18,6 +18,7 @@ from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.sampling.sampler import Sampler
 from nanoqwen.scheduling.request import Request, Status
+from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.speculative.proposers import NgramIndex
 from nanoqwen.speculative.verification import sample_with_drafts
 from tools.checkpoints import TINY_VOCAB_SIZE, build_qwen3, synthetic_tokenizer
@@ -27,12 +28,12 @@ VOCAB = 800
 
 # --------------------------------------------------------------------------- helpers
 def check_speculation_invariants(engine: LLMEngine) -> None:
-    """Page accounting, and between steps: no request carries drafts, and a running
+    """Page accounting, and between steps: no guesses are left over, and a running
     request holds exactly the pages of its computed (accepted) tokens."""
     check_page_accounting(engine)
     page_size = engine.allocator.page_size
+    assert not engine.step_hooks[0].drafted
     for request in engine.requests.values():
-        assert not request.proposed_token_ids
         assert request.num_computed_tokens < request.num_tokens
         if request.status is Status.RUNNING:
             assert len(request.pages) == -(-request.num_computed_tokens // page_size)
@@ -277,10 +278,10 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
             if request.status is not Status.RUNNING or computed == 0:
                 continue
             fresh.add_request(request.token_ids[:computed], greedy(1), request_id="probe")
-            batch = fresh.scheduler.schedule().batch
+            batch = fresh.scheduler.schedule().rows
             fresh.runner.forward(fresh.runner.prepare(batch))
             probe = fresh.requests["probe"]
-            draft_pool = engine.proposer.runner.kv_cache
+            draft_pool = engine.step_hooks[0].proposer.runner.kv_cache
             torch.testing.assert_close(
                 kv_of(draft_pool, request, computed), kv_of(fresh.runner.kv_cache, probe, computed)
             )
@@ -295,11 +296,10 @@ def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
 ) -> None:
     memory = 1 << 20
     engine = LLMEngine(qwen3_dir, draft_model=qwen2_dir, kv_cache_memory=memory, page_size=8)
-    target, draft = engine.runner, engine.proposer.runner
+    target, draft = engine.runner, engine.step_hooks[0].proposer.runner
     page_bytes = [cache.kv[:, :, 0].nbytes for cache in (target.kv_cache, draft.kv_cache)]
+    # Sized together: both caches have the pages that fit in the memory of the two.
     assert draft.kv_cache.num_pages == target.kv_cache.num_pages == memory // sum(page_bytes) + 1
-    assert sum(page_bytes) == target.page_bytes + draft.page_bytes
-    assert engine.proposer.runners == [draft]  # sized and allocated with the target
 
 
 @pytest.mark.slow
@@ -376,14 +376,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(qwen3_dir: str) -> None:
 def verify(logits: torch.Tensor, params: SamplingParams, drafts: list[int], probs=None,
            count: int = 1) -> list[list[int]]:
     """Verify `count` copies of one request with these drafts against these logits rows."""
-    requests, draft_probs = [], {}
+    rows, draft_probs = [], {}
     for i in range(count):
         request = Request(f"r{i}", [1, 2, 3], params)
-        request.proposed_token_ids = list(drafts) if isinstance(drafts[0], int) else list(drafts[i])
+        guesses = list(drafts) if isinstance(drafts[0], int) else list(drafts[i])
         draft_probs[request] = probs if probs is None or probs.dim() == 2 else probs[i]
-        requests.append(request)
-    rows = torch.cat([logits] * count)
-    return sample_with_drafts(Sampler(), rows, requests, draft_probs.get)
+        rows.append(Row(request, 2, [3, *guesses], 1 + len(guesses)))
+    return sample_with_drafts(Sampler(), torch.cat([logits] * count), rows, draft_probs.get)
 
 
 def test_greedy_verification_keeps_the_matching_prefix_and_adds_one() -> None:

@@ -33,16 +33,14 @@ from torch.distributed.run import main as torchrun
 from nanoqwen import LLM, SamplingParams, StepError
 from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.layers import (
-    TensorParallel,
-    TensorSlice,
-    check_splittable_shape,
-    split_across,
-)
+from nanoqwen.model.layers import TensorParallel, split_across
+from nanoqwen.model.loading import TensorSlice
+from nanoqwen.parallel.launch import check_splittable_shape
+from nanoqwen.parallel.step_broadcast import STEP_WIRE, step_from_wire, step_to_wire
 from nanoqwen.parallel.workers import WorkerFailure
-from nanoqwen.runner.step_inputs import STEP_WIRE, StepInputs, build_step_inputs
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.runner import StepInputs, lay_out
 from nanoqwen.scheduling.request import Request
+from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.loader import load_model
 from tools.checkpoints import build_qwen2
@@ -210,8 +208,8 @@ def test_first_step_logits_match_one_device(
 def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     engine = llm.engine
     ids = [engine.add_request(prompt, greedy(1)) for prompt in prompts]
-    batch = engine.scheduler.schedule().batch
-    logits = engine.runner.forward(engine.runner.prepare(batch))
+    rows = engine.scheduler.schedule().rows
+    logits = engine.runner.forward(engine.runner.prepare(rows))
     for request_id in ids:
         engine.abort(request_id)
     return logits
@@ -223,14 +221,14 @@ def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
     llm = engines.get(*setup)
     prompts, params = workload()
     expected = [o.token_ids for o in llm.generate(prompts, params)]
-    pipeline = llm.engine.runner.pipeline
-    forward = pipeline.forward
+    runner = llm.engine.runner
+    forward = runner.model.forward
 
-    def interrupted(inputs: StepInputs) -> torch.Tensor | None:
+    def interrupted(*args: object) -> torch.Tensor:
         os.kill(os.getpid(), signal.SIGINT)  # arrives before this rank's all-reduces
-        return forward(inputs)
+        return forward(*args)
 
-    monkeypatch.setattr(pipeline, "forward", interrupted)
+    monkeypatch.setattr(runner.model, "forward", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params)
     monkeypatch.undo()
@@ -245,14 +243,14 @@ def test_a_worker_killed_mid_step_fails_the_engine_within_seconds(
     llm = engines.get(*setup)
     workers = llm.engine.workers
     pids = workers.pids
-    pipeline = llm.engine.runner.pipeline
-    forward = pipeline.forward
+    runner = llm.engine.runner
+    forward = runner.model.forward
 
-    def killing(inputs: StepInputs) -> torch.Tensor | None:
+    def killing(*args: object) -> torch.Tensor:
         os.kill(pids[-1], signal.SIGKILL)  # the other ranks are running this step too
-        return forward(inputs)
+        return forward(*args)
 
-    monkeypatch.setattr(pipeline, "forward", killing)
+    monkeypatch.setattr(runner.model, "forward", killing)
     prompts, params = workload()
     for _ in range(2):  # the step the rank dies in, and any step after it
         start = time.monotonic()
@@ -414,20 +412,21 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
     """Every tensor of a step crosses to the other ranks, and arrives equal; what stays on
     rank 0 is its bookkeeping (which requests the rows are), never a tensor."""
     request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
-    inputs = build_step_inputs(ScheduledBatch([request], [9]), 4, torch.device("cpu"), pad_to=2)
-    wire = inputs.to_wire()
+    inputs = lay_out([Row(request, 0, request.token_ids, 1)], 4, torch.device("cpu"), pad_to=2)
+    wire = step_to_wire(inputs)
     assert set(wire.tensors) == set(STEP_WIRE.tensor_names)
     assert set(wire.ints) == set(STEP_WIRE.int_names)
-    received = StepInputs.from_wire(wire)
+    received = step_from_wire(wire)
     for field in StepInputs.__dataclass_fields__:
         if field == "metadata":
             continue
         mine, theirs = getattr(inputs, field), getattr(received, field)
         if isinstance(mine, torch.Tensor):
             assert torch.equal(mine, theirs), field
+        elif field in ("bucket", "num_sampled"):
+            assert mine == theirs, field
         else:
-            assert field in ("sampled_requests", "num_sampled_rows", "prompt_rows", "pooled_rows",
-                             "bucket"), field
+            assert field in ("sampled", "extra"), field  # rank 0's bookkeeping
     assert received.bucket == inputs.bucket == 2
     for field in AttentionMetadata.__dataclass_fields__:
         mine, theirs = getattr(inputs.metadata, field), getattr(received.metadata, field)

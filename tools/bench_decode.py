@@ -23,18 +23,55 @@ from typing import Any
 import torch
 
 from nanoqwen import LLMEngine, SamplingParams
-from nanoqwen.runner.step_inputs import StepInputs
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.scheduling.scheduler import Row
 from tools.bench_baseline import synchronize
 
 DECODE_STEPS = 16  # timed steady-state decode steps, and as many bare forward passes
+# The phases of a step, in order, as an observer sees them.
+STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "postprocess")
+
+
+def observe(engine: LLMEngine, observer: Any) -> None:
+    """Have `observer` watch every later step of `engine`: each phase (`STEP_PHASES`) runs
+    inside `observer.phase(name)`, and `observer.laid_out(rows, step)` sees each step as it
+    was laid out. The engine knows nothing of it: the calls that make up a step (the
+    scheduler's, the step hooks', the runner's, the appending of tokens) are wrapped on
+    their instances."""
+    runner = engine.runner
+
+    def timed(owner: Any, name: str, phase: str) -> None:
+        call = getattr(owner, name)
+
+        def in_phase(*args: Any, **kwargs: Any) -> Any:
+            with observer.phase(phase):
+                return call(*args, **kwargs)
+
+        setattr(owner, name, in_phase)
+
+    prepare = runner.prepare
+
+    def laid_out(rows: list[Row], bucket: int | None = None) -> StepInputs:
+        with observer.phase("prepare"):
+            step = prepare(rows, bucket)
+        observer.laid_out(rows, step)
+        return step
+
+    runner.prepare = laid_out
+    timed(engine.scheduler, "schedule", "schedule")
+    for hook in engine.step_hooks:
+        timed(hook, "before_layout", "propose")
+    timed(runner, "forward", "forward")
+    timed(runner, "choose_tokens", "sample")
+    timed(engine.scheduler, "advance", "postprocess")
+    timed(engine, "_append_tokens", "postprocess")
 
 
 class PhaseTimer:
     """Wall time spent in each phase of `engine.step()`, summed over steps, and the tokens
-    the steps computed: a step observer (`engine.observe(timer)`). On CUDA the forward pass
+    the steps computed: a step observer. On CUDA the forward pass
     only queues kernels, so the timer waits for them at the end of "forward", keeping their
-    time there."""
+    time there. Install it with `observe(engine, timer)`."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device
@@ -52,9 +89,9 @@ class PhaseTimer:
                 synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+    def laid_out(self, rows: list[Row], inputs: StepInputs) -> None:
         self.last_inputs = inputs
-        self.scheduled_tokens += sum(batch.num_new_tokens)
+        self.scheduled_tokens += sum(len(row.token_ids) for row in rows)
 
     def reset(self) -> None:
         self.seconds = {}
@@ -74,9 +111,9 @@ class Observers:
                 stack.enter_context(observer.phase(name))
             yield
 
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+    def laid_out(self, rows: list[Row], inputs: StepInputs) -> None:
         for observer in self.observers:
-            observer.laid_out(batch, inputs)
+            observer.laid_out(rows, inputs)
 
 
 class PoolTooSmall(Exception):

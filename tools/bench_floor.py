@@ -44,9 +44,9 @@ import torch
 from nanoqwen import LLMEngine
 from nanoqwen.attention.base import AttentionBackend
 from nanoqwen.model.qwen import QwenForCausalLM
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.quantization import tensor_bytes, weight_memory_bytes
-from nanoqwen.runner.step_inputs import StepInputs
-from nanoqwen.scheduling.batch import ScheduledBatch
 from tools.bench_baseline import synchronize
 
 SPLIT = ("attention", "norms_rope_activations", "sampling", "bookkeeping")
@@ -72,8 +72,8 @@ class FloorRecorder:
     def phase(self, name: str) -> AbstractContextManager[object]:
         return nullcontext()
 
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
-        self.steps.append(StepShape(sum(batch.num_new_tokens), len(inputs.sampled_requests)))
+    def laid_out(self, rows: list[Row], inputs: StepInputs) -> None:
+        self.steps.append(StepShape(sum(len(row.token_ids) for row in rows), len(inputs.sampled)))
 
     def attach(self, engine: LLMEngine) -> None:
         self.attention_timer = AttentionTimer(engine.runner.backend, engine.device)

@@ -135,6 +135,67 @@ def build_qwen3(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
     return str(directory)
 
 
+# The newer Qwen kinds, as small: experts (Qwen2-MoE with a shared expert and a dense
+# layer, Qwen3-MoE with renormalised routing), and the hybrid decoders (three Gated
+# DeltaNet layers, then one of gated full attention, twice).
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_HYBRID = dict(
+    num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def build_qwen2_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
+    """Qwen2-MoE: experts with a gated shared expert, unnormalised routing, layer 1 dense."""
+    shape = {
+        **TINY_SHAPE, **TINY_MOE, "model_type": "qwen2_moe", "tie_word_embeddings": False,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1],
+        **overrides,
+    }
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
+def build_qwen3_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3-MoE: q/k norms, routing weights renormalised to sum to one, no shared expert."""
+    shape = {
+        **TINY_SHAPE, **TINY_MOE, "model_type": "qwen3_moe", "tie_word_embeddings": False,
+        "head_dim": 32, "norm_topk_prob": True, **overrides,
+    }
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
+def build_qwen3_next(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3-Next: the hybrid decoder, with fused linear-attention projections and experts."""
+    shape = {
+        **TINY_SHAPE, **TINY_HYBRID, **TINY_MOE, "model_type": "qwen3_next",
+        "shared_expert_intermediate_size": 48, "tie_word_embeddings": False, **overrides,
+    }
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
+def build_qwen3_5(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3.5 (dense): the hybrid decoder with separate projections and a dense MLP."""
+    shape = {**TINY_SHAPE, **TINY_HYBRID, "model_type": "qwen3_5_text",
+             "tie_word_embeddings": True, **overrides}
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
+def build_qwen3_5_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
+    """Qwen3.5-MoE: the hybrid decoder with experts and a shared expert."""
+    shape = {
+        **TINY_SHAPE, **TINY_HYBRID, **TINY_MOE, "model_type": "qwen3_5_moe_text",
+        "shared_expert_intermediate_size": 48, "tie_word_embeddings": False, **overrides,
+    }
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
 def build_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
     """Train the tests' tokenizer and save it, with its chat template, as transformers files."""
     tokenizer = _fast_tokenizer(train_byte_level_bpe())

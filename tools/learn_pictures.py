@@ -27,17 +27,19 @@ import torch
 from nanoqwen import LLMEngine, SamplingParams
 from nanoqwen.model.layers import TensorParallel, split_across
 from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.runner.step_inputs import StepInputs
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import open_checkpoint
+from tools.bench_decode import observe
 
 IMAGE_DIR = Path(__file__).resolve().parents[1] / "docs" / "learn" / "img"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 class StepRecorder:
-    """An engine observer (`LLMEngine.observe`) that keeps every step's batch as it was laid
-    out: `(request id, new tokens, tokens computed before, prompt length, proposed)`."""
+    """A step observer (`tools.bench_decode.observe`) that keeps every step's rows as they
+    were laid out: `(request id, new tokens, tokens computed before, prompt length,
+    appended guesses)`."""
 
     def __init__(self) -> None:
         self.steps: list[list[tuple[str, int, int, int, list[int]]]] = []
@@ -46,10 +48,11 @@ class StepRecorder:
     def phase(self, name: str) -> Any:
         return nullcontext()
 
-    def laid_out(self, batch: ScheduledBatch, inputs: StepInputs) -> None:
+    def laid_out(self, rows: list[Row], inputs: StepInputs) -> None:
         self.steps.append([
-            (r.request_id, n, r.num_computed_tokens, r.num_prompt_tokens, list(r.proposed_token_ids))
-            for r, n in zip(batch.requests, batch.num_new_tokens)
+            (row.request.request_id, len(row.token_ids), row.start,
+             row.request.num_prompt_tokens, row.token_ids[len(row.token_ids) - row.num_sampled + 1 :])
+            for row in rows
         ])
         self.inputs.append(inputs)
 
@@ -72,7 +75,7 @@ def collect_page_table(model: str) -> PageTableSnapshot:
     an earlier request has finished and left its pages to the prefix cache."""
     engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4)
     recorder = StepRecorder()
-    engine.observe(recorder)
+    observe(engine, recorder)
     system = list(range(10, 22))  # 12 tokens: three whole pages, shared by everyone
     engine.add_request(system + [300, 301, 302, 303, 304], SamplingParams(max_tokens=3, **GREEDY))
     _run_until_idle(engine)  # finished: its full pages stay in the prefix cache
@@ -240,7 +243,7 @@ def collect_timeline(model: str, chunk_size: int = 32) -> tuple[list[TimelineSte
     carries every decode plus at most `chunk_size` prompt tokens."""
     engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size)
     recorder = StepRecorder()
-    engine.observe(recorder)
+    observe(engine, recorder)
     arrivals = {0: [12, 14, 10, 16], 4: [150], 9: [90]}
     token = iter(range(50, 10_000))
     step = 0
@@ -301,7 +304,7 @@ def collect_speculation(model: str) -> list[Verification]:
     engine = LLMEngine(model, speculative="ngram", num_speculative_tokens=4, page_size=8,
                        num_pages=128)
     recorder = StepRecorder()
-    engine.observe(recorder)
+    observe(engine, recorder)
     phrase = list(range(120, 132))
     for prompt in (phrase * 3, [60, 61] + phrase * 2 + [62, 63, 64], list(range(200, 224))):
         engine.add_request(prompt, SamplingParams(max_tokens=40, **GREEDY))

@@ -13,9 +13,11 @@ flashinfer's CSR page table, for `B` requests and `T` new tokens:
 A decode, a prefill chunk and a prefill after a prefix hit are all a request whose last
 `q_len` tokens are new and attend causally to everything before them. A backend plans once
 per step (`plan`), then attends once per layer (`forward`: write the new K/V, attend).
+`ReferenceBackend` below is the textbook one; the others (`torch_backend.py`,
+`flashinfer_backend.py`) compute the same thing faster, and `registry.py` picks one.
 
 Invariant: every backend computes the same causal attention from the same metadata; the
-tests hold the torch backend and flashinfer to the reference in `reference.py`. The story:
+tests hold the torch backend and flashinfer to the reference. The story:
 docs/learn/04-attention-backends.md.
 """
 
@@ -25,19 +27,26 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanoqwen.memory.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What the KV cache and an attention backend must know of a model: its layers and,
-    on this rank when the model is split, its query and KV heads."""
+    """What the KV cache and an attention backend must know of a model: its layers with
+    K/V and, on this rank when the model is split, its query and KV heads."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+# The page table's tensors on the device (what a CUDA graph keeps in static buffers).
+PAGE_TABLE_TENSORS = (
+    "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions", "slot_mapping"
+)
 
 
 @dataclass
@@ -53,35 +62,25 @@ class AttentionMetadata:
     # Host-side sizes, so backends can shape their buffers without asking the device.
     max_q_len: int
     max_kv_len: int
-    # The same CSR arrays on the host (pinned on CUDA). Backends plan on the host; handing
-    # them these instead of the device tensors spares a device-to-host wait.
-    qo_indptr_host: torch.Tensor | None = None
-    kv_indptr_host: torch.Tensor | None = None
-    kv_last_page_len_host: torch.Tensor | None = None
+    # The same CSR arrays on the host (pinned on CUDA): backends plan from these, sparing a
+    # device-to-host wait.
+    qo_indptr_host: torch.Tensor
+    kv_indptr_host: torch.Tensor
+    kv_last_page_len_host: torch.Tensor
 
     @property
     def batch_size(self) -> int:
         return self.kv_last_page_len.shape[0]
 
-    @property
-    def is_decode(self) -> bool:
-        return self.max_q_len == 1
-
     def q_lens(self) -> torch.Tensor:
         return self.qo_indptr[1:] - self.qo_indptr[:-1]
-
-    def on_host(self, name: str) -> torch.Tensor:
-        """`qo_indptr`, `kv_indptr` or `kv_last_page_len` on the host."""
-        host = getattr(self, f"{name}_host")
-        # Metadata built without host copies still works, at the price of a device round trip.
-        return host if host is not None else getattr(self, name).cpu()
 
 
 class AttentionBackend(ABC):
     """Plan once per step from the page table, then attend once per layer."""
 
     # Can a decode step's kernels be recorded in a CUDA graph? Only if `plan` writes the
-    # step's page table into buffers that stay put (see `cuda_graph.py`).
+    # step's page table into buffers that stay put (see `runner/cuda_graph.py`).
     supports_cuda_graphs = False
     # Does it read a quantized cache's scales per (token, KV head)? Else one per tensor.
     per_vector_kv_scales = True
@@ -98,9 +97,9 @@ class AttentionBackend(ABC):
         q_lens: list[int], kv_lens: list[int], num_graph_buckets: int = 0,
     ) -> int | None:
         """At most how many bytes this backend allocates beside the KV cache for a model of
-        `shape` to run a step of these query and KV lengths (requests' new tokens, and
-        tokens once they are added), its kept buffers included (with `num_graph_buckets`
-        decode graphs' plans); None where that is not known."""
+        `shape` (one rank's heads) to run a step of these query and KV lengths, its kept
+        buffers included (with `num_graph_buckets` decode graphs' plans); None where that
+        is not known."""
         return None
 
     @abstractmethod
@@ -112,10 +111,6 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q `[T, heads, dim]`, k and v `[T, kv_heads, dim]` → output `[T, heads, dim]`."""
 
-    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store this step's keys and values in their cache slots (quantized, if it is)."""
-        self.kv_cache.write(layer, k, v, slots)
-
     def bind_graph_buffers(
         self,
         batch_size: int,
@@ -123,7 +118,48 @@ class AttentionBackend(ABC):
         kv_indices: torch.Tensor,
         kv_last_page_len: torch.Tensor,
     ) -> None:
-        """Plan decode steps of `batch_size` requests into these fixed page-table buffers."""
+        """Plan decode steps of `batch_size` requests into these fixed page-table buffers
+        (called once per CUDA-graph bucket, before capture)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")
 
 
+class ReferenceBackend(AttentionBackend):
+    """Attention as a textbook writes it, one request at a time, and the oracle.
+
+    For each request: read its pages into one contiguous `[kv_len, kv_heads, dim]` block,
+    and let its new queries attend causally over it with SDPA. Query `j` of a request with
+    `q_len` new tokens sits at position `kv_len - q_len + j`, so it sees keys `0..` that
+    position. Simple and exact; a loop in Python per request, and a copy of every key.
+    """
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self.slots = metadata.slot_mapping
+        page_size, pages = self.kv_cache.page_size, metadata.kv_indices.long()
+        qo_indptr = metadata.qo_indptr_host.tolist()
+        kv_indptr = metadata.kv_indptr_host.tolist()
+        last_page_len = metadata.kv_last_page_len_host.tolist()
+        self.requests = []  # (its query rows, its pages, its KV length)
+        for b, last in enumerate(last_page_len):
+            num_pages = kv_indptr[b + 1] - kv_indptr[b]
+            self.requests.append((slice(qo_indptr[b], qo_indptr[b + 1]),
+                                  pages[kv_indptr[b] : kv_indptr[b + 1]],
+                                  (num_pages - 1) * page_size + last))
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.kv_cache.write(layer, k, v, self.slots)
+        out = torch.empty_like(q)
+        for rows, pages, kv_len in self.requests:
+            # [kv_len, kv_heads, dim]
+            keys = self.kv_cache.gather(layer, 0, pages).flatten(0, 1)[:kv_len]
+            values = self.kv_cache.gather(layer, 1, pages).flatten(0, 1)[:kv_len]
+            queries = q[rows]  # [q_len, heads, dim]
+            q_positions = torch.arange(kv_len - len(queries), kv_len, device=q.device)
+            causal = torch.arange(kv_len, device=q.device) <= q_positions[:, None]
+            attended = F.scaled_dot_product_attention(
+                queries.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=causal, enable_gqa=True,
+            )
+            out[rows] = attended.transpose(0, 1)
+        return out

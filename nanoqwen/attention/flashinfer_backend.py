@@ -32,7 +32,7 @@ import torch
 from rich.console import Console
 
 from nanoqwen.attention.base import AttentionBackend, AttentionMetadata, AttentionShape
-from nanoqwen.memory.kv_cache import TENSOR_SCALE, KVCache
+from nanoqwen.memory.kv_cache import ONE_BYTE_DTYPES, KVCache
 
 logger = logging.getLogger(__name__)
 # Where the start-up status line goes (a spinner on a terminal, nothing otherwise).
@@ -176,10 +176,13 @@ def warm_up_kernels(
     """
     heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     pages = list(range(1, 1 + -(-num_tokens // page_size)))  # after the scratch page
-    kv_cache = KVCache(
-        1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device,
-        storage_dtype=kv_dtype, per_vector_scales=backend_class.per_vector_kv_scales,
-    )
+    shape = (1, kv_heads, head_dim, page_size, 1 + len(pages), dtype, device)
+    if kv_dtype in ONE_BYTE_DTYPES:  # flashinfer reads fp8 pages at one scale per tensor
+        from nanoqwen.memory.kv_quant import QuantizedKVCache
+
+        kv_cache: KVCache = QuantizedKVCache(*shape, kv_dtype, per_vector_scales=False)
+    else:
+        kv_cache = KVCache(*shape)
     backend = backend_class(kv_cache, heads, kv_heads, head_dim)
     backend.plan(one_request(num_tokens, pages, page_size, device))
     q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=device)
@@ -274,9 +277,11 @@ class FlashInferBackend(AttentionBackend):
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
         self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
         # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
-        self.kv_scales = (
-            {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE} if kv_cache.is_quantized else {}
-        )
+        self.kv_scales = {}
+        if kv_cache.is_quantized:
+            from nanoqwen.memory.kv_quant import TENSOR_SCALE
+
+            self.kv_scales = {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE}
         self.prefill_wrapper = self._fenced(
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend
@@ -325,16 +330,16 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
-        kv_indptr = metadata.on_host("kv_indptr")
-        last_page_len = metadata.on_host("kv_last_page_len")
+        kv_indptr = metadata.kv_indptr_host
+        last_page_len = metadata.kv_last_page_len_host
         shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache.page_size)
-        if metadata.is_decode:
+        if metadata.max_q_len == 1:
             self.wrapper = self.graph_decode_wrappers.get(metadata.batch_size, self.decode_wrapper)
             self.wrapper.plan(
                 kv_indptr, metadata.kv_indices, last_page_len, *shape, **self.data_types
             )
         else:
-            qo_indptr = metadata.on_host("qo_indptr")
+            qo_indptr = metadata.qo_indptr_host
             self.wrapper = self.prefill_wrapper
             self.wrapper.plan(
                 qo_indptr, kv_indptr, metadata.kv_indices, last_page_len, *shape,
@@ -344,7 +349,7 @@ class FlashInferBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.write_kv(layer, k, v, self.metadata.slot_mapping)
+        self.kv_cache.write(layer, k, v, self.metadata.slot_mapping)
         return self.wrapper.run(q, self.kv_cache.layer_cache(layer), **self.kv_scales)
 
 

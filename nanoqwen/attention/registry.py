@@ -6,13 +6,12 @@ import logging
 
 import torch
 
-from nanoqwen.attention.base import AttentionBackend, AttentionShape
+from nanoqwen.attention.base import AttentionBackend, AttentionShape, ReferenceBackend
 from nanoqwen.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferUnavailable,
     flashinfer_backend_for,
 )
-from nanoqwen.attention.reference import ReferenceBackend
 from nanoqwen.attention.torch_backend import TorchBackend
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ own way:
   pages are gathered into a reused workspace and one SDPA call per group attends them
   with a mask.
 
-A quantized cache (`kv_cache_dtype` int8 or fp8, see `memory/kv_cache.py`) has no sparse product
+A quantized cache (`kv_cache_dtype` int8 or fp8, see `memory/kv_quant.py`) has no sparse product
 in its storage type, so its decodes are padded too, in a group of their own: their pages
 are gathered and dequantized like a continuing prefill's. Fresh prompts still attend their
 own keys as computed, which are at hand before they are quantized.
@@ -52,7 +52,7 @@ from nanoqwen.attention.torch_layout import (
     lay_out,
     step_bytes,
 )
-from nanoqwen.memory.kv_cache import QUANTIZED_DTYPES, KVCache
+from nanoqwen.memory.kv_cache import ONE_BYTE_DTYPES, KVCache
 
 # torch multiplies sparse CSR matrices with a sampled dense product in these dtypes only.
 SPARSE_DTYPES = (torch.float32, torch.float64)
@@ -130,10 +130,10 @@ class TorchBackend(AttentionBackend):
     def plan(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
         page_size = self.kv_cache.page_size
-        qo_indptr = metadata.on_host("qo_indptr")
-        kv_indptr = metadata.on_host("kv_indptr")
+        qo_indptr = metadata.qo_indptr_host
+        kv_indptr = metadata.kv_indptr_host
         q_lens = _lengths(qo_indptr)
-        kv_lens = (_lengths(kv_indptr) - 1) * page_size + metadata.on_host("kv_last_page_len")
+        kv_lens = (_lengths(kv_indptr) - 1) * page_size + metadata.kv_last_page_len_host
         layout = lay_out(self.costs, q_lens.tolist(), kv_lens.tolist(), self.max_call_bytes)
         q_starts = qo_indptr[:-1]
         self.fresh_rows = [
@@ -197,7 +197,7 @@ class TorchBackend(AttentionBackend):
         if self.costs.gathers_keys:
             # Gather the decodes' key pages, each once, and address the gathered copy: the
             # same page table, renumbered to the copy's pages 0, 1, 2, ...
-            kv_indptr, entries = _select_rows(metadata.on_host("kv_indptr"), decodes)
+            kv_indptr, entries = _select_rows(metadata.kv_indptr_host, decodes)
             gathered_pages = metadata.kv_indices[entries.to(device, non_blocking=True)].long()
             num_key_pages = gathered_pages.numel()
             copy_pages = _page_table(
@@ -267,7 +267,7 @@ class TorchBackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.write_kv(layer, k, v, self.metadata.slot_mapping)
+        self.kv_cache.write(layer, k, v, self.metadata.slot_mapping)
         out = torch.empty_like(q)
         if self.decodes is not None:
             self._attend_sparse(self.decodes, layer, q, out)
@@ -346,7 +346,7 @@ def attention_costs(
     computing in `dtype` on pages stored in `kv_dtype`."""
     return AttentionCosts(
         shape.num_heads, shape.num_kv_heads, shape.head_dim, page_size, dtype.itemsize,
-        gathers_keys=dtype not in SPARSE_DTYPES, quantized=kv_dtype in QUANTIZED_DTYPES,
+        gathers_keys=dtype not in SPARSE_DTYPES, quantized=kv_dtype in ONE_BYTE_DTYPES,
     )
 
 

@@ -1,7 +1,8 @@
 """Where keys and values live: the paged KV cache, and who holds which page.
 
 Read `page_allocator.py` (pages handed out on the host: a free list and reference
-counts), `kv_cache.py` (the K/V tensors on the device, in pages, optionally one byte per
-number), `radix_cache.py` (a radix tree of token prefixes whose pages later requests
-reuse) and `sizing.py` (how many pages to make).
+counts), `kv_cache.py` (the K/V tensors on the device, in pages), `radix_cache.py` (a
+radix tree of token prefixes whose pages later requests reuse), and, for a cache that
+stores one byte per number, `kv_quant.py`; for a model with recurrent layers, the state
+pool beside the pages, `state_pool.py`.
 """

@@ -28,16 +28,13 @@ class PageAllocator:
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages (one is scratch), got {num_pages}")
         self.num_pages = num_pages
+        self.num_usable_pages = num_pages - 1
         self.page_size = page_size
         self.ref_counts = [0] * num_pages
         self.in_cache = [False] * num_pages  # does the prefix cache hold a reference?
         self.num_cache_only_pages = 0
         # Popping from the end hands out low page numbers first, which keeps tests readable.
         self.free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
-
-    @property
-    def num_usable_pages(self) -> int:
-        return self.num_pages - 1
 
     @property
     def num_free_pages(self) -> int:
@@ -47,7 +44,8 @@ class PageAllocator:
         """Take `count` free pages, each with one holder (the caller)."""
         if count > len(self.free_pages):
             raise RuntimeError(f"asked for {count} pages, only {len(self.free_pages)} free")
-        pages = [self.free_pages.pop() for _ in range(count)]
+        pages = self.free_pages[len(self.free_pages) - count :][::-1]
+        del self.free_pages[len(self.free_pages) - count :]
         for page in pages:
             self.ref_counts[page] = 1
         return pages

@@ -1,4 +1,4 @@
-"""The decoder's building blocks: RMSNorm, and linear layers that may be split across ranks.
+"""The decoder's building blocks: RMSNorm, RoPE, and linear layers that may be split across ranks.
 
 Every split lives here, Megatron-style, so that the decoder (`qwen.py`) reads like the
 one-device model:
@@ -12,9 +12,9 @@ one-device model:
   vocabulary's rows (padded to a multiple of N); the embedding's all-reduce fills in the
   other ids, the lm_head's logits are joined on rank 0.
 
-With one rank every split is the whole weight and every collective a no-op. Each split
-parameter is loaded by its layer's `load_block`, which reads only its slice of the
-checkpoint tensor, so no rank ever holds a full weight it does not keep.
+With one rank every split is the whole weight and every collective is skipped. Each split
+parameter is loaded by its layer's `load_block` (`loading.py`), which reads only its slice
+of the checkpoint tensor, so no rank ever holds a full weight it does not keep.
 
 Invariant: the ranks' slices of a weight cover it exactly (KV heads fewer than the ranks
 are replicated), and after every all-reduce all ranks hold the same hidden state. The
@@ -26,27 +26,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from nanoqwen.model.packed import PackableLinear
-
-
-class TensorSlice(Protocol):
-    """A checkpoint tensor that reads only the part it is indexed with (safetensors'
-    `get_slice(name)`; a plain tensor works too)."""
-
-    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+from nanoqwen.attention.base import AttentionMetadata
+from nanoqwen.model.loading import TensorSlice, copy_checked, read_block
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """One rank's view of the split: its rank, the number of ranks, and the collectives
-    (`torch.distributed`: gloo on the CPU, NCCL on GPUs), each a no-op with one rank."""
+    """One rank's view of the split: its rank and the number of ranks. Collectives go
+    through `torch.distributed` (gloo on the CPU, NCCL on GPUs)."""
 
     rank: int = 0
     size: int = 1
@@ -62,25 +57,6 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x)
         return x
-
-    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """Every rank's vocabulary block, `[S, rows]`, joined on rank 0 into `[S, vocab]`;
-        None on the other ranks, which never sample."""
-        if self.size == 1:
-            return local
-        if local.shape[0] == 0:  # nothing sampled this step, on any rank
-            return local.new_empty(0, vocab_size) if self.rank == 0 else None
-        slices = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(local.contiguous(), slices, dst=0)
-        return torch.cat(slices, dim=-1)[:, :vocab_size] if slices else None
-
-    def min_over_ranks(self, value: int) -> int:
-        """The smallest `value` of any rank: what every rank can afford (a KV page count)."""
-        if self.size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return int(tensor.item())
 
 
 SINGLE = TensorParallel()
@@ -118,10 +94,59 @@ def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotate each (q, k) pair of channels by an angle proportional to the position.
+
+    The inverse frequencies and the cos/sin scale come from transformers' own helpers, so
+    `linear` and `yarn` scaling (and a partial rotary factor) mean exactly what they mean
+    there. Every token carries its own position (`AttentionMetadata.positions`), which is
+    all a flat batch of many requests needs. (`dynamic` scaling, which depends on each
+    request's length, is `rope_scaling.py`'s.)
+    """
+
+    def __init__(self, hf_config: PretrainedConfig, rope_type: str) -> None:
+        super().__init__()
+        init = ROPE_INIT_FUNCTIONS.get(rope_type, default_rope_parameters)
+        inv_freq, self.attention_scaling = init(hf_config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, metadata: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both halves of a head rotate by the same angles: `[T, rotary_dim / 2]` covers them.
+        angles = metadata.positions[:, None].float() * self.inv_freq[None, :]
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def default_rope_parameters(hf_config: PretrainedConfig, device: object) -> tuple[torch.Tensor, float]:
+    """Plain RoPE's inverse frequencies over the first `partial_rotary_factor` of a head."""
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    rope = hf_config.rope_parameters
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    base = rope["rope_theta"]
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, dim]`, cos/sin `[T, dim / 2]`: transformers' `x * cos +
+    rotate_half(x) * sin`, where `rotate_half(x)` is `(-second half, first half)`, in three
+    passes over `x` and without the rotated copy."""
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    halves = x.unflatten(-1, (2, -1))  # [T, heads, 2, dim / 2]
+    rotated = halves * cos
+    rotated[:, :, 0].addcmul_(halves[:, :, 1], sin[:, :, 0], value=-1)
+    rotated[:, :, 1].addcmul_(halves[:, :, 0], sin[:, :, 0])
+    return rotated.flatten(-2)
+
+
 @dataclass(frozen=True)
 class Split:
     """Which part of one checkpoint weight a rank keeps: `length` rows (or columns) from
-    `start`, out of `total`."""
+    `start`."""
 
     start: int
     length: int
@@ -134,37 +159,7 @@ class Split:
         return Split(tp.rank * length, length)
 
 
-def read_block(
-    param: torch.Tensor, source: TensorSlice, block: int, splits: Sequence[Split], dim: int
-) -> torch.Tensor:
-    """Copy this rank's part of checkpoint block `block` (its `splits[block]` along `dim`)
-    into the parameter's rows for that block; return the rows written."""
-    split = splits[block]
-    offset = sum(s.length for s in splits[:block]) if dim == 0 else 0
-    index = (slice(None),) * dim + (slice(split.start, split.start + split.length),)
-    target = param.data.narrow(dim, offset, split.length) if dim == 0 else param.data
-    copy_checked(target, source[index])
-    return target
-
-
-def copy_checked(target: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ShapeMismatch(tuple(tensor.shape), tuple(target.shape))
-    target.copy_(tensor)
-
-
-class ShapeMismatch(ValueError):
-    def __init__(self, checkpoint: tuple[int, ...], expected: tuple[int, ...]) -> None:
-        super().__init__(f"checkpoint has {checkpoint}, model expects {expected}")
-
-
-def load_whole(param: torch.Tensor, source: TensorSlice, block: int) -> torch.Tensor:
-    """How a parameter every rank keeps whole (a norm's) is loaded."""
-    copy_checked(param.data, source[:])
-    return param.data
-
-
-class ColumnParallelLinear(PackableLinear):
+class ColumnParallelLinear(nn.Linear):
     """`x @ W.T` for this rank's output rows: one `Split` per fused checkpoint block."""
 
     def __init__(self, in_features: int, splits: Sequence[Split], bias: bool) -> None:
@@ -176,7 +171,7 @@ class ColumnParallelLinear(PackableLinear):
         return read_block(param, source, block, self.splits, dim=0)
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(nn.Linear):
     """`x @ W.T` over this rank's input columns, summed over the ranks (an all-reduce)."""
 
     def __init__(self, in_split: Split, out_features: int) -> None:
@@ -218,12 +213,23 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(hidden)
 
 
-class ParallelLMHead(PackableLinear):
-    """This rank's block of the vocabulary's logits (the same rows as the embedding's)."""
+class ParallelLMHead(nn.Linear):
+    """This rank's block of the vocabulary's logits (the embedding's rows); `join` brings
+    the ranks' blocks together on rank 0."""
 
     def __init__(self, hidden_size: int, embedding: VocabParallelEmbedding) -> None:
         super().__init__(hidden_size, embedding.weight.shape[0], bias=False)
         self.load_block = embedding.load_block
+        self.tp, self.vocab_size = embedding.tp, embedding.vocab_size
+
+    def join(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's block of the logits, `[S, rows]`, joined into `[S, vocab]` on rank 0;
+        None on the other ranks, which never sample."""
+        if local.shape[0] == 0:  # nothing sampled this step, on any rank
+            return local.new_empty(0, self.vocab_size) if self.tp.rank == 0 else None
+        blocks = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.rank == 0 else None
+        dist.gather(local.contiguous(), blocks, dst=0)
+        return torch.cat(blocks, dim=-1)[:, : self.vocab_size] if blocks else None
 
 
 def attention_splits(
@@ -239,22 +245,3 @@ def attention_splits(
     q = Split(tp.rank * local_heads * head_dim, local_heads * head_dim)
     kv = Split(first_kv_head * head_dim, local_kv_heads * head_dim)
     return local_heads, local_kv_heads, [q, kv, kv], q
-
-
-def check_splittable_shape(
-    num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
-) -> None:
-    """A ValueError unless `size` ranks can each hold whole heads and an equal MLP slice."""
-    if size == 1:
-        return
-    name = f"tensor_parallel_size={size}"
-    if num_heads % size:
-        raise ValueError(f"{name} must divide the model's {num_heads} attention heads")
-    kv = num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
-        raise ValueError(
-            f"{name} must divide the model's {kv} key/value heads or be a multiple of them, "
-            "so that every rank holds whole key/value heads"
-        )
-    if intermediate_size % size:
-        raise ValueError(f"{name} must divide the model's intermediate_size={intermediate_size}")

@@ -19,13 +19,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from nanoqwen.config import EngineConfig
-from nanoqwen.model.layers import SINGLE, TensorParallel, check_splittable_shape
-from nanoqwen.parallel.step_broadcast import WireFormat, WireStep, serve_steps
+from nanoqwen.config import EngineConfig, RunnerSettings
+from nanoqwen.model.layers import SINGLE, TensorParallel
+from nanoqwen.parallel.split_runner import Rank0Runner, forward_from_wire
+from nanoqwen.parallel.step_broadcast import STEP_WIRE, serve_steps
 from nanoqwen.parallel.workers import (
     COLLECTIVE_TIMEOUT,
     IDLE_TIMEOUT,
@@ -33,8 +35,11 @@ from nanoqwen.parallel.workers import (
     WorkerFailure,
     Workers,
     describe_exit,
+    starting,
     stop_processes,
 )
+from nanoqwen.runner.runner import ModelRunner
+from nanoqwen.runner.startup import start_runners
 from nanoqwen.weights.checkpoint import Checkpoint
 
 
@@ -51,15 +56,36 @@ class Ranks:
 ALONE = Ranks()
 
 
-class StepServer:
-    """What a worker runs steps with (a `ModelRunner` with its KV cache allocated)."""
-
-    def forward_from_wire(self, step: WireStep) -> object: ...
-
-
 # Given its `Ranks`, build a rank's runner, ready to run steps (sized and allocated alike
 # on every rank). Pickled to the workers, so a module-level function or a partial of one.
-RunnerStarter = Callable[[Ranks], StepServer]
+RunnerStarter = Callable[[Ranks], ModelRunner]
+
+
+def start_split_model(
+    config: EngineConfig, checkpoint: Checkpoint, settings: RunnerSettings
+) -> tuple[ModelRunner, Workers]:
+    """Rank 0's runner of a model split across `config.tensor_parallel_size` ranks, and its
+    handle on the others, each of which starts the same way and then serves steps."""
+    ranks = start_ranks(config, checkpoint, partial(start_rank_runner, checkpoint, settings))
+    with starting(ranks.workers):  # if rank 0 fails to start, the other ranks go too
+        (runner,) = start_runners(
+            [checkpoint], settings, ranks.tp, ranks.device, agree=min_over_ranks,
+            make=partial(Rank0Runner, workers=ranks.workers),
+        )
+    return runner, ranks.workers
+
+
+def start_rank_runner(checkpoint: Checkpoint, settings: RunnerSettings, ranks: Ranks) -> ModelRunner:
+    """How every rank but 0 starts its runner (rank 0's `start_split_model` does the same)."""
+    (runner,) = start_runners([checkpoint], settings, ranks.tp, ranks.device, agree=min_over_ranks)
+    return runner
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` of any rank: what every rank can afford (a KV page count)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 @dataclass(frozen=True)
@@ -71,19 +97,22 @@ class WorkerJob:
     store_port: int
     device: torch.device
     threads: int | None  # CPU threads, when the ranks share a CPU's cores
-    wire: WireFormat
     start_runner: RunnerStarter
 
 
-def start_ranks(
-    config: EngineConfig, checkpoint: Checkpoint, wire: WireFormat, start_runner: RunnerStarter
-) -> Ranks:
+def start_ranks(config: EngineConfig, checkpoint: Checkpoint, start_runner: RunnerStarter) -> Ranks:
     """Bring up all `config.tensor_parallel_size` ranks; return rank 0's `Ranks`."""
     size = config.tensor_parallel_size
     if size == 1:
         return ALONE
     shape = checkpoint.model_config
     check_splittable_shape(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size)
+    if shape.moe is not None:
+        shape.moe.check_splittable(size)
+    if shape.state_layers:
+        from nanoqwen.model.gated_deltanet import check_splittable
+
+        check_splittable(shape.hf_config, size)
     check_splittable_weights(checkpoint, config.quantization)
     if dist.is_initialized():
         raise ValueError(
@@ -91,7 +120,7 @@ def start_ranks(
             "engine per process (shut the previous one down first)"
         )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return join_torchrun(config, wire, start_runner)
+        return join_torchrun(config, start_runner)
     check_devices(config.device, size)
     threads = cpu_threads = None
     if config.device.type == "cpu":  # the ranks share the cores
@@ -104,7 +133,7 @@ def start_ranks(
     try:
         for rank in range(1, size):
             job = WorkerJob(rank, size, store.port, rank_device(config.device, rank), threads,
-                            wire, start_runner)
+                            start_runner)
             processes.append(spawn_worker(job))
         wait_for_workers(store, processes)
         device = rank_device(config.device, 0)
@@ -114,7 +143,7 @@ def start_ranks(
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         raise
-    workers = Workers(group, wire, processes, store, cpu_threads)
+    workers = Workers(group, processes, store, cpu_threads)
     return Ranks(TensorParallel(0, size), device, workers)
 
 
@@ -130,7 +159,7 @@ def spawn_worker(job: WorkerJob) -> subprocess.Popen:
     return process
 
 
-def join_torchrun(config: EngineConfig, wire: WireFormat, start_runner: RunnerStarter) -> Ranks:
+def join_torchrun(config: EngineConfig, start_runner: RunnerStarter) -> Ranks:
     """Under torchrun (env:// rendezvous): every process runs this; only rank 0 returns."""
     size, world = config.tensor_parallel_size, int(os.environ["WORLD_SIZE"])
     if world != size:
@@ -142,9 +171,9 @@ def join_torchrun(config: EngineConfig, wire: WireFormat, start_runner: RunnerSt
     group = init_ranks(device, rank, size, store=None)
     tp = TensorParallel(rank, size)
     if rank == 0:
-        return Ranks(tp, device, Workers(group, wire))
+        return Ranks(tp, device, Workers(group))
     runner = start_runner(Ranks(tp, device))
-    serve_steps(runner.forward_from_wire, wire, group)
+    serve_steps(partial(forward_from_wire, runner), STEP_WIRE, group)
     dist.destroy_process_group()
     raise SystemExit(0)  # this process was only ever a worker
 
@@ -209,3 +238,20 @@ def check_splittable_weights(checkpoint: Checkpoint, quantization: str | None) -
             f"quantization={quantization!r} does not work with tensor parallelism yet: "
             "use quantization='none' or tensor_parallel_size=1"
         )
+
+
+def check_splittable_shape(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
+) -> None:
+    """A ValueError unless `size` ranks can each hold whole heads and an equal MLP slice."""
+    name = f"tensor_parallel_size={size}"
+    if num_heads % size:
+        raise ValueError(f"{name} must divide the model's {num_heads} attention heads")
+    kv = num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ValueError(
+            f"{name} must divide the model's {kv} key/value heads or be a multiple of them, "
+            "so that every rank holds whole key/value heads"
+        )
+    if intermediate_size % size:
+        raise ValueError(f"{name} must divide the model's intermediate_size={intermediate_size}")

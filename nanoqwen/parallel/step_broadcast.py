@@ -2,8 +2,8 @@
 
 The other ranks have no requests, no scheduler and no page accounting: all they need each
 step is what the model and the attention backends read, a handful of integer tensors and
-two integers (the runner's `StepInputs.to_wire`). Rank 0 sends them as two gloo
-broadcasts from the host:
+a few integers of the runner's `StepInputs` (`step_to_wire`, `step_from_wire`). Rank 0
+sends them as two gloo broadcasts from the host:
 
 * a fixed-size header: the command (a step, or stop), each tensor's length and dtype,
   and the integers;
@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from nanoqwen.attention.base import PAGE_TABLE_TENSORS, AttentionMetadata
+from nanoqwen.memory.state_pool import StateStep
+from nanoqwen.runner.runner import StepInputs
 
 WIRE_DTYPES = (torch.int32, torch.int64)
 STOP, STEP = 0, 1
@@ -84,3 +88,50 @@ def serve_steps(
     """A worker's life: run every step rank 0 sends, until it says stop."""
     while (step := receive_step(wire, group)) is not None:
         run_step(step)
+
+
+# What crosses to the other ranks each step: everything the model and the attention
+# backends read. The rest says which requests the sampled rows belong to (rank 0's alone).
+# A model with recurrent layers adds the state pool's part (`memory/state_pool.py`): each
+# row's slot and the copies around the forward; empty for other models.
+STATE_TENSORS = ("state_slots", "state_copies_before", "state_copies_after")
+STEP_WIRE = WireFormat(
+    tensor_names=("input_ids", "sample_rows", *PAGE_TABLE_TENSORS, *STATE_TENSORS),
+    int_names=("max_q_len", "max_kv_len", "bucket", "num_sampled"),
+)
+
+
+def step_to_wire(step: StepInputs) -> WireStep:
+    """What the other ranks need of a step laid out on the host."""
+    metadata = step.metadata
+    tensors = {name: getattr(metadata, name) for name in PAGE_TABLE_TENSORS}
+    tensors.update(input_ids=step.input_ids, sample_rows=step.sample_rows)
+    states = step.states
+    none = torch.zeros(0, dtype=torch.int64)
+    tensors.update(
+        state_slots=none if states is None else states.slots,
+        state_copies_before=none if states is None else states.copies_before.flatten(),
+        state_copies_after=none if states is None else states.copies_after.flatten(),
+    )
+    ints = {"max_q_len": metadata.max_q_len, "max_kv_len": metadata.max_kv_len,
+            "bucket": step.bucket, "num_sampled": step.num_sampled}
+    return WireStep(tensors, ints)
+
+
+def step_from_wire(wire: WireStep) -> StepInputs:
+    """A step received by another rank, on the host (no requests: rank 0 samples)."""
+    tensors, ints = wire.tensors, wire.ints
+    metadata = AttentionMetadata(
+        **{name: tensors[name] for name in PAGE_TABLE_TENSORS},
+        max_q_len=ints["max_q_len"], max_kv_len=ints["max_kv_len"],
+        qo_indptr_host=tensors["qo_indptr"], kv_indptr_host=tensors["kv_indptr"],
+        kv_last_page_len_host=tensors["kv_last_page_len"],
+    )
+    states = None
+    if tensors["state_slots"].numel():
+        query_lens = (tensors["qo_indptr"][1:] - tensors["qo_indptr"][:-1]).tolist()
+        states = StateStep(query_lens, tensors["state_slots"],
+                           tensors["state_copies_before"].reshape(-1, 2),
+                           tensors["state_copies_after"].reshape(-1, 2))
+    return StepInputs(tensors["input_ids"], metadata, tensors["sample_rows"], [],
+                      ints["num_sampled"], bucket=ints["bucket"], states=states)

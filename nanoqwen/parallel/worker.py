@@ -17,13 +17,15 @@ import signal
 import sys
 import threading
 from contextlib import suppress
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from nanoqwen.model.layers import TensorParallel
 from nanoqwen.parallel.launch import Ranks, WorkerJob, init_ranks
-from nanoqwen.parallel.step_broadcast import serve_steps
+from nanoqwen.parallel.split_runner import forward_from_wire
+from nanoqwen.parallel.step_broadcast import STEP_WIRE, serve_steps
 from nanoqwen.parallel.workers import STARTUP_TIMEOUT, failure_key
 
 
@@ -39,7 +41,7 @@ def main() -> None:
         store.set(f"nanoqwen-worker-{job.rank}", "up")
         group = init_ranks(job.device, job.rank, job.size, store)
         runner = job.start_runner(Ranks(TensorParallel(job.rank, job.size), job.device))
-        serve_steps(runner.forward_from_wire, job.wire, group)
+        serve_steps(partial(forward_from_wire, runner), STEP_WIRE, group)
         dist.destroy_process_group()
     except BaseException as error:
         with suppress(Exception):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoqwen.parallel.step_broadcast import WireFormat, WireStep, send_step, send_stop
+from nanoqwen.parallel.step_broadcast import STEP_WIRE, WireStep, send_step, send_stop
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank stuck inside a step: the last resort
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step as long as it takes
@@ -62,12 +62,11 @@ class Workers:
     def __init__(
         self,
         group: dist.ProcessGroup,
-        wire: WireFormat,
         processes: list[subprocess.Popen] | None = None,
         store: dist.Store | None = None,  # where failing workers leave their reasons
         cpu_threads: int | None = None,  # rank 0's torch threads before it shared the cores
     ) -> None:
-        self.group, self.wire, self.store = group, wire, store
+        self.group, self.wire, self.store = group, STEP_WIRE, store
         self.processes = processes or []
         self.cpu_threads = cpu_threads
         self.failure: str | None = None  # set once the ranks can no longer run steps

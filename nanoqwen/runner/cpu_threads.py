@@ -4,12 +4,9 @@ On a CPU every matmul of a step is an OpenMP parallel region: the work is split 
 torch's threads, and the region ends when the last of them is done. A decode step is a
 hundred-odd such regions, microseconds apart. Between them a thread either spins (and
 starts the next region at once) or sleeps (and is woken, which on a VM costs tens of
-microseconds per region: 25% of a step here). Spinning is the fast choice on idle cores and
-the ruinous one on shared cores: when another process holds one of the cores, every region
-waits for the thread that was descheduled, while its partner spins on the other core.
-Measured on 2 cores, Qwen2.5-1.5B in bfloat16, batch-1 decode: quiet, 137 ms a token
-spinning vs 180 ms sleeping; beside one busy process, 1,140 ms spinning on 2 threads,
-227 ms sleeping on 2, 220 ms on 1 thread.
+microseconds per region). Spinning is the fast choice on idle cores and the ruinous one on
+shared cores: when another process holds one of the cores, every region waits for the
+thread that was descheduled, while its partner spins on the other.
 
 So nanoqwen spins briefly (`GOMP_SPINCOUNT`, set in `nanoqwen/__init__.py` before torch
 loads OpenMP) and runs each step on as many threads as there are cores free:
@@ -19,6 +16,7 @@ between 1 and torch's thread count. The steps' own use is this process's time
 (`os.times`) less that of its other Python threads (`/proc/self/task`): a server's request
 handlers, which parse and tokenize, take cores from a step as another process would, while
 the step's OpenMP threads do not count, so the choice does not flip with its own count.
+The measurements behind these choices: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ from pathlib import Path
 import torch
 
 # How often the share of the cores is read again: often enough to yield a core within a
-# second of another process starting, rarely enough to cost nothing (a read takes 36 us on
-# 2 cores, and 8 us more per other Python thread; between reads, a step reads the clock).
+# second of another process starting, rarely enough to cost nothing (between reads, a step
+# only reads the clock).
 INTERVAL_S = 0.5
 # A core counts as free when others leave at least this share of it idle: on one
 # they use more of, our thread would wait for them at the end of every parallel region.
@@ -69,7 +67,7 @@ def busy_seconds(stat: str, cpus: set[int]) -> float:
 def thread_seconds(native_id: int) -> float | None:
     """CPU seconds one thread of this process has run (`/proc/self/task/<id>/stat`'s user
     and system time), or None once it has ended."""
-    try:  # os.open, not pathlib: 8 us a thread instead of 20, twice a second
+    try:  # os.open, not pathlib: a few times cheaper per thread, twice a second
         descriptor = os.open(f"/proc/self/task/{native_id}/stat", os.O_RDONLY)
     except OSError:
         return None
@@ -126,7 +124,12 @@ class CpuThreads:
             yield
             return
         given = torch.get_num_threads()
-        threads = self._choose(given)
+        if given > 1:  # with one thread there is nothing to share: no read
+            self._read_share()
+        threads = threads_for(len(self.cpus), self.others, given)
+        if threads != self.threads:
+            logger.info("running on %d CPU threads: others use %.1f of %d cores",
+                        threads, self.others, len(self.cpus))
         self.threads = threads
         self.reduced_steps += threads < given
         torch.set_num_threads(threads)
@@ -148,16 +151,6 @@ class CpuThreads:
                 "reduced_steps": self.reduced_steps,
             }
         }
-
-    def _choose(self, given: int) -> int:
-        if given == 1:  # nothing to share: no read
-            return 1
-        self._read_share()
-        threads = threads_for(len(self.cpus), self.others, given)
-        if threads != self.threads:
-            logger.info("running on %d CPU threads: others use %.1f of %d cores",
-                        threads, self.others, len(self.cpus))
-        return threads
 
     def _read_share(self) -> None:
         """Update `others`, at most every `INTERVAL_S`."""

@@ -8,7 +8,8 @@ fitted to it:
 * buckets: one graph per batch size (1, 2, 4, 8, then every multiple of 8 up to
   `max_num_seqs`, at most 256); a step of B decodes is padded to the smallest bucket;
 * static buffers: each step's ids, positions, slots and page table are copied into tensors
-  that never move, shared by all buckets; the logits land in another;
+  that never move, shared by all buckets; the final hidden states land in another (the
+  lm_head runs after the replay, outside the graph);
 * padding rows are one-token requests on the scratch page (`memory/page_allocator.py`),
   never sampled;
 * the attention backend's `plan` runs before each replay, outside the graph, writing into
@@ -29,13 +30,21 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanoqwen.attention.base import AttentionBackend, AttentionMetadata
+from nanoqwen.attention.base import (
+    PAGE_TABLE_TENSORS,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.runner.step_inputs import PAGE_TABLE_TENSORS, StepInputs
-from nanoqwen.scheduling.batch import ScheduledBatch
+from nanoqwen.runner.runner import StepInputs
+from nanoqwen.scheduling.scheduler import Row
+
+if TYPE_CHECKING:
+    from nanoqwen.memory.state_pool import StateStep
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +69,6 @@ def can_capture(
 
 def decode_buckets(
     asked: list[int] | None,
-    enforce_eager: bool,
     max_num_seqs: int,
     device: torch.device,
     backend_class: type[AttentionBackend],
@@ -68,8 +76,6 @@ def decode_buckets(
 ) -> list[int]:
     """The batch sizes decode steps are padded to (`asked`, or the defaults where graphs
     can be captured); none means every step runs eagerly."""
-    if enforce_eager:
-        return []
     if asked is not None:
         return list(asked)
     if not can_capture(device, backend_class, rope_type):
@@ -98,6 +104,7 @@ class DecodeGraphRunner:
         int32 = {"dtype": torch.int32, "device": self.device}
         int64 = {"dtype": torch.int64, "device": self.device}
         self.input_ids = torch.zeros(largest, **int64)
+        self.state_slots = torch.zeros(largest, **int64)  # a recurrent model's rows' slots
         self.static = AttentionMetadata(
             qo_indptr=torch.zeros(largest + 1, **int32),
             kv_indptr=torch.zeros(largest + 1, **int32),
@@ -107,12 +114,16 @@ class DecodeGraphRunner:
             slot_mapping=torch.zeros(largest, **int64),
             max_q_len=1,
             max_kv_len=0,
+            # The host copies are the step's own (`load`): flashinfer plans from them.
+            qo_indptr_host=torch.zeros(0, **int32),
+            kv_indptr_host=torch.zeros(0, **int32),
+            kv_last_page_len_host=torch.zeros(0, **int32),
         )
-        # Every row of a bucket gets logits: a graph cannot know which rows are padding.
-        # (With tensor parallelism they are this rank's slice of the vocabulary.)
+        # Every row of a bucket gets its hidden state: a graph cannot know which rows are
+        # padding.
         self.all_rows = torch.arange(largest, device=self.device)
-        self.logits = torch.zeros(
-            largest, model.lm_head.out_features, dtype=model.model.norm.weight.dtype,
+        self.hidden = torch.zeros(
+            largest, model.config.hidden_size, dtype=model.model.norm.weight.dtype,
             device=self.device,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -126,39 +137,46 @@ class DecodeGraphRunner:
                 )
 
     # ----------------------------------------------------------------- per step
-    def bucket_for(self, batch: ScheduledBatch) -> int:
-        """The bucket a decode-only batch pads to; 0 (eager) for other steps and oversized
+    def bucket_for(self, rows: list[Row]) -> int:
+        """The bucket a decode-only step pads to; 0 (eager) for other steps and oversized
         ones."""
-        if len(batch) > self.buckets[-1] or not batch.is_decode_only():
+        if len(rows) > self.buckets[-1] or any(len(row.token_ids) != 1 for row in rows):
             return 0
-        return self.buckets[bisect.bisect_left(self.buckets, len(batch))]
+        return self.buckets[bisect.bisect_left(self.buckets, len(rows))]
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits for the sampled rows, `[S, vocab]`, of a step padded to a bucket."""
-        metadata = self.load(inputs)
+        """Final hidden states of the sampled rows, `[S, hidden]`, of a step padded to a
+        bucket."""
+        metadata, states = self.load(inputs)
         self.backend.plan(metadata)
         graph = self.graphs.get(inputs.bucket)
         if graph is not None:
             graph.replay()
         else:
-            self.run_model(metadata)
-        return self.logits[inputs.sample_rows]
+            self.run_model(metadata, states)
+        return self.hidden[inputs.sample_rows]
 
-    def load(self, inputs: StepInputs) -> AttentionMetadata:
-        """Copy a step into the static buffers; return its page table viewing them."""
+    def load(self, inputs: StepInputs) -> tuple[AttentionMetadata, StateStep | None]:
+        """Copy a step into the static buffers; return its page table (and the state pool's
+        part, for a model with recurrent layers) viewing them."""
         self.input_ids[: inputs.input_ids.numel()].copy_(inputs.input_ids)
         views = {}
         for name in PAGE_TABLE_TENSORS:
             step_tensor = getattr(inputs.metadata, name)
             views[name] = getattr(self.static, name)[: step_tensor.numel()]
             views[name].copy_(step_tensor)
+        states = inputs.states
+        if states is not None:
+            slots = self.state_slots[: states.slots.numel()]
+            states = dataclasses.replace(states, slots=slots.copy_(states.slots))
         # Host-side fields (sizes, the host copies flashinfer plans from) stay the step's.
-        return dataclasses.replace(inputs.metadata, **views)
+        return dataclasses.replace(inputs.metadata, **views), states
 
-    def run_model(self, metadata: AttentionMetadata) -> None:
+    def run_model(self, metadata: AttentionMetadata, states: StateStep | None) -> None:
         bucket = metadata.batch_size
-        logits = self.model(self.input_ids[:bucket], metadata, self.backend, self.all_rows[:bucket])
-        self.logits[:bucket].copy_(logits)
+        hidden = self.model(self.input_ids[:bucket], metadata, self.backend,
+                            self.all_rows[:bucket], states)
+        self.hidden[:bucket].copy_(hidden)
 
     # ----------------------------------------------------------------- start-up
     def capture_all(self, padding_step: Callable[[int], StepInputs]) -> None:
@@ -188,13 +206,13 @@ class DecodeGraphRunner:
         self, step: StepInputs, stream: torch.cuda.Stream, pool: tuple[int, int] | None
     ) -> tuple[int, int]:
         """Record the forward pass of a padding step; return the graph's memory pool."""
-        metadata = self.load(step)
+        metadata, states = self.load(step)
         self.backend.plan(metadata)
         # Lazy set-up (loading kernels, creating library handles) cannot happen during a
         # capture, so run once eagerly first.
-        self.run_model(metadata)
+        self.run_model(metadata, states)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self.run_model(metadata)
+            self.run_model(metadata, states)
         self.graphs[step.bucket] = graph
         return graph.pool()

@@ -1,297 +1,252 @@
-"""The model runner: everything that touches the model's device, behind `run(batch)`.
+"""The model runner: one step of requests in, their new tokens out, on the model's device.
 
-The engine thinks in requests; the runner turns one step of them into tokens. It owns the
-model (loaded by `weights/loader.py`, this rank's slice when split), the attention backend
-(`attention/registry.py` picks it), the KV cache on the device (`memory/kv_cache.py`) and
-the step pipeline with its decode CUDA graphs (`pipeline.py`, `cuda_graph.py`). The cache
-is sized once: the runner reports what a page costs and, on a GPU, what the rest of the
-engine needs (`measure_overhead`), `plan_kv_pages` decides, `allocate_kv_cache` makes it.
-Which page is whose is the engine's business, never the runner's.
+The engine thinks in requests; the runner turns one step of them into tokens, in three
+stages that read like the step of any serving engine:
 
-On CUDA everything runs with the model's device made current (`on_device`), since graph
-capture, events and streams follow the current device, which is per thread.
+1. **Lay out** (`prepare`): the scheduler's rows become flat tensors: the new tokens of
+   every request back to back in one `[T]` vector, each with its position, the page table
+   of `attention/base.py` saying whose keys live where, the slot each new K/V goes to, and
+   the rows whose logits are sampled (`StepInputs`). A decode-only step that fits a
+   CUDA-graph bucket is padded to it here (`cuda_graph.py`): padding rows are one-token
+   requests on the scratch page whose results are never read.
+2. **Forward**: attention is planned once for all layers, then the model runs (or its
+   graph replays), giving the final hidden states of the sampled rows and their logits.
+3. **Choose tokens**: the sampler draws each sampled row's next token.
 
-Split across ranks, every rank has a runner over its slice and a cache of its heads with
-the same pages; rank 0's `forward` broadcasts the laid-out step (the one place the runner
-talks to the other ranks), every rank runs it, and rank 0 alone gets the logits and
-chooses tokens. The story: docs/learn/01-forward-pass-and-kv-cache.md and, for the
-split, docs/learn/11-tensor-parallelism.md.
+Features attach at three points, and a plain request meets none of them: `choose_tokens`
+may be replaced (speculative decoding verifies the tokens it appended to rows), output
+hooks may ask for more rows and read them (prompt logprobs, embeddings: `OutputHook`), and
+a split model wraps the whole runner (`parallel/`). On a CPU each forward runs on the
+cores others leave free (`cpu_threads.py`).
+
+Invariant: the logits of a row depend only on its request's tokens and pages, never on
+what else the step holds (in float32; low-precision kernels may round differently by
+batch shape). The story: docs/learn/01-forward-pass-and-kv-cache.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-import psutil
 import torch
 
-from nanoqwen.attention.base import AttentionBackend
-from nanoqwen.attention.registry import attention_backend_class
-from nanoqwen.memory.kv_cache import KVCache
-from nanoqwen.memory.sizing import (
-    KVBudget,
-    Overhead,
-    WorstStep,
-    cpu_kv_memory,
-    gpu_kv_memory,
-    pages_for,
+from nanoqwen.attention.base import (
+    PAGE_TABLE_TENSORS,
+    AttentionBackend,
+    AttentionMetadata,
 )
-from nanoqwen.model.layers import split_across
-from nanoqwen.parallel.launch import ALONE, Ranks
-from nanoqwen.parallel.step_broadcast import WireStep
+from nanoqwen.memory.page_allocator import SCRATCH_PAGE
+from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.cpu_threads import CpuThreads
-from nanoqwen.runner.cuda_graph import DecodeGraphRunner, decode_buckets
-from nanoqwen.runner.memory_profile import (
-    CudaMemory,
-    profile_overhead,
-    worst_step_attention_bytes,
-)
-from nanoqwen.runner.pipeline import StepPipeline, TokenChooser, sample_one_each
-from nanoqwen.runner.step_inputs import StepInputs
 from nanoqwen.sampling.sampler import Sampler
-from nanoqwen.scheduling.batch import ScheduledBatch
-from nanoqwen.scheduling.request import Request
-from nanoqwen.weights.checkpoint import Checkpoint
-from nanoqwen.weights.loader import load_model
+from nanoqwen.scheduling.scheduler import Row
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from nanoqwen.memory.state_pool import StateCache, StateStep
+
+# What a padding row feeds the model. Any valid id does: its result is never read.
+PADDING_TOKEN_ID = 0
+# Each sampled row's new tokens from its `num_sampled` consecutive rows of logits.
+TokenChooser = Callable[[Sampler, torch.Tensor, Sequence[Row]], list[list[int]]]
 
 
-@dataclass(frozen=True)
-class RunnerSettings:
-    """The engine settings a runner uses (`EngineConfig`'s fields of the same names)."""
+@dataclass
+class StepInputs:
+    """A step laid out for the model; `sample_rows` index into its `T` new tokens."""
 
-    device: torch.device
-    dtype: torch.dtype
-    page_size: int
-    max_model_len: int
-    max_num_seqs: int  # for the default decode buckets
-    kv_storage_dtype: torch.dtype  # the dtype pages are stored in
-    quantization: str | None = None
-    attention_backend: str | None = None
-    decode_buckets: list[int] | None = None
-    enforce_eager: bool = False
+    input_ids: torch.Tensor  # int64 [T]
+    metadata: AttentionMetadata
+    # int64 [S + E]: the rows whose hidden states and logits are computed: the S sampled
+    # ones, then the E extra rows output hooks asked for.
+    sample_rows: torch.Tensor
+    sampled: list[Row]  # the rows with sampled tokens, in order (rank 0's only)
+    num_sampled: int  # S
+    extra: list[list[int]] = field(default_factory=list)  # each output hook's extra rows
+    # The decode batch size this step is padded to and replayed through the static buffers
+    # (a CUDA graph, where there are graphs); 0: the step runs eagerly.
+    bucket: int = 0
+    states: StateStep | None = None  # the state pool's part, for models with recurrent layers
+
+
+class GraphRunner(Protocol):
+    """Decode steps padded to buckets and replayed (`cuda_graph.py`'s `DecodeGraphRunner`)."""
+
+    def bucket_for(self, rows: list[Row]) -> int: ...
+    def forward(self, step: StepInputs) -> torch.Tensor: ...
+    def capture_all(self, padding_step: Callable[[int], StepInputs]) -> None: ...
+
+
+class OutputHook(Protocol):
+    """A feature that reads more of a step than its sampled rows' logits."""
+
+    def extra_rows(self, rows: Sequence[Row], row_starts: Sequence[int]) -> list[int]:
+        """Rows of the step's `[T]` tokens (row `i`'s first is `row_starts[i]`) whose
+        logits it wants besides the sampled ones."""
+
+    def take(self, sampled: Sequence[Row], hidden: torch.Tensor, extra_logits: torch.Tensor) -> None:
+        """The sampled rows' final hidden states, and the logits of its extra rows."""
+
+
+def sample_one_each(sampler: Sampler, logits: torch.Tensor, rows: Sequence[Row]) -> list[list[int]]:
+    """One token per sampled row: the plain step's choice."""
+    return [[token] for token in sampler.sample(logits, [row.request for row in rows])]
 
 
 def on_device(device: torch.device) -> AbstractContextManager[object]:
-    """Make `device` the current CUDA device for a while (nothing to do on a CPU)."""
+    """Make `device` the current CUDA device for a while (nothing to do on a CPU): graph
+    capture, events and streams follow the current device, which is per thread. The
+    context can be entered again and again, one at a time."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def exact_device(device: torch.device) -> torch.device:
-    """`cuda` means the current CUDA device: name it, so it stays the same from any thread."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class ModelRunner:
+    """The model, its KV cache, the attention backend and the sampler, on one device."""
+
     def __init__(
-        self,
-        checkpoint: Checkpoint,
-        settings: RunnerSettings,
-        ranks: Ranks = ALONE,
-        choose_tokens: TokenChooser = sample_one_each,
+        self, model: QwenForCausalLM, backend: AttentionBackend, graphs: GraphRunner | None = None
     ) -> None:
-        self.settings, self.ranks, self.tp = settings, ranks, ranks.tp
-        self.choose_tokens = choose_tokens
-        self.device = exact_device(ranks.device or settings.device)
-        self.max_model_len = settings.max_model_len
-        self.vocab_size = checkpoint.model_config.vocab_size
-        with on_device(self.device), split_across(self.tp):
-            self.model = load_model(checkpoint, settings.dtype, self.device, settings.quantization)
-        self.shape = self.model.attention_shape  # this rank's heads
+        self.model, self.backend, self.graphs = model, backend, graphs
+        self.kv_cache = backend.kv_cache
+        self.device = self.kv_cache.kv.device
+        self.layout_device = self.device  # where steps are laid out (the host, on rank 0 of a split model)
         self.sampler = Sampler()
-        # Chosen before the cache: on CUDA, sizing the cache runs the model through it.
-        with on_device(self.device):
-            self.backend_class = attention_backend_class(
-                settings.attention_backend, self.shape, settings.page_size, settings.dtype,
-                settings.kv_storage_dtype, self.device,
-            )
-        self.decode_buckets = decode_buckets(
-            settings.decode_buckets, settings.enforce_eager, settings.max_num_seqs,
-            self.device, self.backend_class, checkpoint.model_config.rope_type,
-        )
-        self.kv_cache: KVCache | None = None
-        self.pipeline: StepPipeline | None = None
+        self.choose_tokens: TokenChooser = sample_one_each
+        self.output_hooks: list[OutputHook] = []
+        self.states: StateCache | None = None  # the state pool, for recurrent layers
         self.cpu_threads = CpuThreads(self.device)
+        self.on_device = on_device(self.device)
 
-    # ----------------------------------------------------------------- the step
-    def run(self, batch: ScheduledBatch) -> list[tuple[Request, list[int]]]:
-        """Run one step; return the new tokens of every request it reached the end of: one,
-        or for a request with proposed tokens, the accepted ones and one more."""
-        inputs = self.prepare(batch)
-        return self.sample(self.forward(inputs), inputs)
+    def run(self, rows: list[Row]) -> list[list[int]]:
+        """One step: the new tokens of every row that reaches its request's last token."""
+        with self.on_device:
+            step = self.prepare(rows)
+            logits = self.forward(step)
+            return self.choose_tokens(self.sampler, logits, step.sampled)
 
-    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The logits of a batch's sampled rows, without choosing tokens (a proposer's)."""
-        return self.forward(self.prepare(batch))
+    def prepare(self, rows: list[Row], bucket: int | None = None) -> StepInputs:
+        """The rows as flat tensors, padded to their graph bucket (or to `bucket`)."""
+        if bucket is None:
+            bucket = self.graphs.bucket_for(rows) if self.graphs else 0
+        extra = []
+        if self.output_hooks:  # extra rows run eagerly: graphs compute the sampled ones
+            extra = [hook.extra_rows(rows, row_starts(rows)) for hook in self.output_hooks]
+            bucket = 0 if any(extra) else bucket
+        step = lay_out(rows, self.kv_cache.page_size, self.layout_device, bucket, extra)
+        if self.states is not None:
+            from nanoqwen.memory.state_pool import lay_out_states
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        with on_device(self.device):
-            return self.pipeline.prepare(batch)
+            step.states = lay_out_states(rows, bucket)
+        return step
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits for the sampled rows; the other ranks, if any, run the same step."""
-        workers = self.ranks.workers
-        with on_device(self.device), self.cpu_threads.step():
-            if workers is None:
-                return self.pipeline.forward(inputs)
-            with workers.step():
-                workers.broadcast(inputs.to_wire())
-                return self.pipeline.forward(inputs.to(self.device))
+    def forward(self, step: StepInputs) -> torch.Tensor | None:
+        """Logits of the sampled rows, `[S, vocab]` (None on ranks other than 0). Output
+        hooks get what they asked for on the way."""
+        states = None if self.states is None else self.states.before(step.states)
+        with self.cpu_threads.step():
+            if step.bucket:
+                hidden = self.graphs.forward(step)
+            else:
+                self.backend.plan(step.metadata)
+                hidden = self.model(step.input_ids, step.metadata, self.backend, step.sample_rows,
+                                    states)
+            logits = self.model.compute_logits(hidden)
+        if states is not None:
+            self.states.after(states)
+        if self.output_hooks and logits is not None:
+            self._hand_out(step, hidden, logits)
+        return logits if logits is None else logits[: step.num_sampled]
 
-    def sample(
-        self, logits: torch.Tensor, inputs: StepInputs
-    ) -> list[tuple[Request, list[int]]]:
-        with on_device(self.device):
-            return self.pipeline.sample(logits, inputs)
+    def _hand_out(self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        start = step.num_sampled
+        for hook, extra in zip(self.output_hooks, step.extra):
+            hook.take(step.sampled, hidden[: step.num_sampled], logits[start : start + len(extra)])
+            start += len(extra)
 
-    def forward_from_wire(self, step: WireStep) -> None:
-        """Another rank's part of a step rank 0 broadcast."""
-        with on_device(self.device), self.cpu_threads.step():
-            self.pipeline.forward(StepInputs.from_wire(step).to(self.device))
+    def capture_graphs(self) -> None:
+        """Record the decode graphs, from padding steps laid out like any other."""
+        if self.graphs is not None:
+            with self.on_device:
+                self.graphs.capture_all(self._padding_step)
 
-    # ----------------------------------------------------------------- the KV cache
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of this model's K/V."""
-        shape = self.shape
-        return KVCache.bytes_per_page(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, self.settings.page_size,
-            self.settings.kv_storage_dtype, self.backend_class.per_vector_kv_scales,
-        )
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the KV cache on every rank together."""
-        return self.kv_cache.nbytes * self.tp.size
-
-    def measure_overhead(self, worst: WorstStep) -> Overhead:
-        """What this model needs on its GPU beside its weights and its KV cache (see
-        `memory_profile.py`); nothing is measured on a CPU."""
-        if self.device.type != "cuda":
-            return Overhead()
-        settings = self.settings
-        attention_bytes = worst_step_attention_bytes(
-            self.backend_class, self.shape, settings.page_size, settings.dtype,
-            settings.kv_storage_dtype, worst, len(self.decode_buckets),
-        )
-        with on_device(self.device):
-            overhead = profile_overhead(
-                self._make_cache, self._make_pipeline, worst, settings.page_size,
-                CudaMemory(self.device), self.backend_class.__name__, attention_bytes,
-            )
-            torch.cuda.empty_cache()  # so that `free` counts what the profile left cached
-        return overhead
-
-    def allocate_kv_cache(self, num_pages: int) -> None:
-        """Make the KV cache, and the pipeline and graphs that read it."""
-        with on_device(self.device):
-            self.kv_cache = self._make_cache(num_pages)
-            self.pipeline = self._make_pipeline(self.kv_cache)
-            self.pipeline.capture_graphs()  # on every rank, the same buckets
-
-    @property
-    def backend(self) -> AttentionBackend:
-        return self.pipeline.backend
-
-    @property
-    def decode_graphs(self) -> DecodeGraphRunner | None:
-        return self.pipeline.graphs
-
-    def min_over_ranks(self, value: int) -> int:
-        return self.tp.min_over_ranks(value)
-
-    @property
-    def num_ranks_on_host(self) -> int:
-        """How many ranks share this machine's memory (on a CPU, all of them)."""
-        return self.tp.size if self.device.type == "cpu" else 1
-
-    def _make_cache(self, num_pages: int) -> KVCache:
-        shape = self.shape
-        return KVCache(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, self.settings.page_size,
-            num_pages, self.settings.dtype, self.device,
-            storage_dtype=self.settings.kv_storage_dtype,
-            per_vector_scales=self.backend_class.per_vector_kv_scales,
-        )
-
-    def _make_pipeline(self, kv_cache: KVCache) -> StepPipeline:
-        shape = self.shape
-        backend: AttentionBackend = self.backend_class(
-            kv_cache, shape.num_heads, shape.num_kv_heads, shape.head_dim
-        )
-        graphs = (
-            DecodeGraphRunner(self.model, backend, self.decode_buckets, self.max_model_len)
-            if self.decode_buckets
-            else None
-        )
-        # With other ranks, steps are laid out on the host, where they are sent from.
-        layout_device = self.device if self.ranks.workers is None else torch.device("cpu")
-        return StepPipeline(
-            self.model, backend, graphs, self.sampler, self.choose_tokens,
-            partial(self.tp.gather_logits, vocab_size=self.vocab_size), layout_device,
-        )
+    def _padding_step(self, bucket: int) -> StepInputs:
+        step = self.prepare([], bucket)
+        if self.states is not None:
+            self.states.before(step.states)
+        return step
 
 
-def plan_kv_pages(runners: Sequence[ModelRunner], budget: KVBudget, worst: WorstStep) -> int:
-    """How many pages every runner's KV cache gets (the scratch page included): all of
-    `runners` keep K/V for the same tokens, in caches with the same pages, and every rank
-    of a split model calls this in step, to agree on what the tightest one can hold.
-
-    On a GPU, the rest of the engine's needs are measured first (`measure_overheads`)."""
-    first = runners[0]
-    if budget.num_pages is not None:
-        return budget.num_pages
-    page_bytes = sum(runner.page_bytes for runner in runners)
-    if budget.bytes_asked is not None:
-        memory = budget.bytes_asked
-    elif first.device.type == "cuda":
-        overhead = measure_overheads(runners, worst)
-        free, total = torch.cuda.mem_get_info(first.device)
-        memory = gpu_kv_memory(
-            free, total, overhead, budget.fraction_asked, budget.gpu_memory_utilization
-        )
-        logger.info("KV cache: %.2f GiB; the rest of the engine needs %s", memory / 2**30, overhead)
-    else:
-        ram, ranks = psutil.virtual_memory(), first.num_ranks_on_host
-        memory = cpu_kv_memory(
-            ram.total / ranks, ram.available / ranks, budget.fraction_asked, worst,
-            first.settings.page_size, page_bytes,
-        )
-    return first.min_over_ranks(pages_for(memory, page_bytes))
+def row_starts(rows: Sequence[Row]) -> list[int]:
+    """Where each row's tokens start in the step's flat `[T]` vector."""
+    starts, total = [], 0
+    for row in rows:
+        starts.append(total)
+        total += len(row.token_ids)
+    return starts
 
 
-def measure_overheads(runners: Sequence[ModelRunner], worst: WorstStep) -> Overhead:
-    """What `runners` need on the GPU beside their weights and KV caches, each measured
-    running its own worst step (`worst_steps`)."""
-    steps = worst_steps(worst, len(runners))
-    return sum((runner.measure_overhead(step) for runner, step in zip(runners, steps)), Overhead())
+def lay_out(
+    rows: Sequence[Row], page_size: int, device: torch.device, pad_to: int = 0,
+    extra: Sequence[list[int]] = (),
+) -> StepInputs:
+    """Flatten `rows` (padded with one-token rows on the scratch page up to `pad_to`) into
+    the tensors the model and the attention backends read; `extra` rows of logits follow
+    the sampled ones."""
+    input_ids, positions, slots, kv_indices, last_page_len = [], [], [], [], []
+    qo_indptr, kv_indptr, sample_rows, sampled = [0], [0], [], []
+    max_q_len = max_kv_len = 0
+    padding = [Row(None, 0, [PADDING_TOKEN_ID], 0)] * (pad_to - len(rows))  # type: ignore[arg-type]
+    for row in [*rows, *padding]:
+        end = row.start + len(row.token_ids)
+        pages = row.request.pages[: -(-end // page_size)] if row.request else [SCRATCH_PAGE]
+        input_ids.extend(row.token_ids)
+        for position in range(row.start, end):
+            positions.append(position)
+            slots.append(pages[position // page_size] * page_size + position % page_size)
+        qo_indptr.append(qo_indptr[-1] + len(row.token_ids))
+        kv_indptr.append(kv_indptr[-1] + len(pages))
+        kv_indices.extend(pages)
+        last_page_len.append(end - (len(pages) - 1) * page_size)
+        max_q_len, max_kv_len = max(max_q_len, len(row.token_ids)), max(max_kv_len, end)
+        if row.num_sampled:
+            sample_rows.extend(range(qo_indptr[-1] - row.num_sampled, qo_indptr[-1]))
+            sampled.append(row)
+    num_sampled = len(sample_rows)
+    for rows_wanted in extra:
+        sample_rows.extend(rows_wanted)
+    # Built on the host, where the page tables live; the CSR arrays stay there too, where
+    # backends plan from them, and the rest is copied to the device.
+    qo_indptr_host = torch.tensor(qo_indptr, dtype=torch.int32)
+    kv_indptr_host = torch.tensor(kv_indptr, dtype=torch.int32)
+    last_page_len_host = torch.tensor(last_page_len, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        qo_indptr=qo_indptr_host, kv_indptr=kv_indptr_host,
+        kv_indices=torch.tensor(kv_indices, dtype=torch.int32),
+        kv_last_page_len=last_page_len_host, positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots), max_q_len=max_q_len, max_kv_len=max_kv_len,
+        qo_indptr_host=qo_indptr_host, kv_indptr_host=kv_indptr_host,
+        kv_last_page_len_host=last_page_len_host,
+    )
+    step = StepInputs(torch.tensor(input_ids), metadata,
+                      torch.tensor(sample_rows, dtype=torch.int64), sampled, num_sampled,
+                      list(extra), pad_to)
+    return step if device.type == "cpu" else moved(step, device)
 
 
-def worst_steps(worst: WorstStep, num_runners: int) -> list[WorstStep]:
-    """The worst step of each runner of `plan_kv_pages`: the engine's model's, then for the
-    others (a proposer's models) the same chunk and sequences without proposed tokens, as
-    they compute the model's rows before its proposer attaches any (and then one-token
-    rows): they never verify any."""
-    return [worst] + [dataclasses.replace(worst, max_proposed=0)] * (num_runners - 1)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; the copy to a GPU is queued without the host waiting."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-def start_runner(
-    checkpoint: Checkpoint,
-    settings: RunnerSettings,
-    budget: KVBudget,
-    worst: WorstStep,
-    ranks: Ranks,
-) -> ModelRunner:
-    """A runner with its KV cache, sized in step with the other ranks: how each worker of
-    a split model starts (rank 0 does the same, with its proposer's runners beside it)."""
-    runner = ModelRunner(checkpoint, settings, ranks)
-    runner.allocate_kv_cache(plan_kv_pages([runner], budget, worst))
-    return runner
+def moved(step: StepInputs, device: torch.device) -> StepInputs:
+    """A step laid out on the host, on `device` (its host copies of the page table stay)."""
+    metadata = dataclasses.replace(step.metadata, **{
+        name: to_device(getattr(step.metadata, name), device) for name in PAGE_TABLE_TENSORS
+    })
+    return dataclasses.replace(step, input_ids=to_device(step.input_ids, device),
+                               sample_rows=to_device(step.sample_rows, device), metadata=metadata)

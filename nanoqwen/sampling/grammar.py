@@ -11,11 +11,10 @@ vLLM and SGLang use, with the same library (xgrammar), works token by token:
   cache (bounded to `CACHE_BYTES`): the same schema sent again costs a lookup.
 * Each request walks that automaton with its own **matcher** (`Request.grammar`). Before
   a step samples it, the matcher writes a **token bitmask**, one bit per vocabulary
-  entry, and the sampler sets the logits of forbidden tokens to -inf
-  (`apply_grammar_masks`); the chosen token then advances the matcher
-  (`advance_grammars`). Greedy or sampled, the text stays a prefix of some sentence of
-  the grammar; once the grammar is complete only end-of-text remains allowed, so the
-  request stops there.
+  entry, and the sampler sets the logits of forbidden tokens to -inf (`GrammarMasks`, a
+  logits processor); the chosen token then advances the matcher. Greedy or sampled, the
+  text stays a prefix of some sentence of the grammar; once the grammar is complete only
+  end-of-text remains allowed, so the request stops there.
 
 Compiling can take a while for a big schema, so it happens off the engine thread: a
 server compiles on the thread that handles the HTTP request (an invalid grammar is a
@@ -30,55 +29,18 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
 import xgrammar
 from transformers import PreTrainedTokenizerBase
 
+from nanoqwen.sampling.sampler import LogitsProcessor
+from nanoqwen.sampling.structured import StructuredOutput
+
 CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse, least recently used dropped first
 # Where a compiler error message begins: xgrammar prefixes "[time] file.cc:line: ".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """The grammar a request's output must follow: exactly one field is set.
-
-    The fields are vLLM's `structured_outputs` (and its offline `StructuredOutputsParams`).
-    JSON is compact (no whitespace beyond a space after `,` and `:`), and an object may
-    have only the properties its schema names unless it says otherwise, as in OpenAI's
-    strict mode: a model can then not pad its answer with whitespace until it runs out of
-    tokens.
-    """
-
-    json: str | dict | None = None  # a JSON schema (as text or parsed)
-    json_object: bool = False  # any JSON object
-    regex: str | None = None
-    choice: list[str] | None = None  # exactly one of these strings
-    grammar: str | None = None  # an EBNF grammar in xgrammar's dialect (GBNF-like)
-    structural_tag: str | dict | None = None  # xgrammar's structural tag (tool calls use it)
-
-    def __post_init__(self) -> None:
-        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
-        if len(chosen) != 1:
-            raise ValueError("structured_output must set exactly one of json, json_object, "
-                             f"regex, choice, grammar, structural_tag; got {chosen or 'none'}")
-        kinds = {"json": (str, dict), "json_object": bool, "regex": str, "choice": list,
-                 "grammar": str, "structural_tag": (str, dict)}
-        for name, kind in kinds.items():
-            value = getattr(self, name)
-            if value not in (None, False) and not isinstance(value, kind):
-                raise ValueError(f"structured_output.{name} has the wrong type: {value!r}")
-        if self.choice is not None and (
-            not self.choice or not all(isinstance(item, str) for item in self.choice)
-        ):
-            raise ValueError("structured_output.choice must be a non-empty list of strings")
-
-    @property
-    def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
 
 
 class GrammarMatcher(Protocol):
@@ -144,30 +106,33 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class GrammarRequest(Protocol):
-    """What the functions below read of a request."""
+    """What the mask reads of a request."""
 
     params: Any  # SamplingParams (its `structured_output`)
     grammar: GrammarMatcher | None
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[GrammarRequest]) -> None:
-    """Set to -inf (in place) every logit a row's grammar forbids next; rows without a
-    grammar are untouched."""
-    rows = [row for row, request in enumerate(requests)
-            if request.params.structured_output is not None]
-    if not rows:
-        return
-    bitmask = xgrammar.allocate_token_bitmask(len(requests), logits.shape[-1])
-    for row in rows:
-        requests[row].grammar.fill_next_token_bitmask(bitmask, row)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+class GrammarMasks(LogitsProcessor):
+    """The sampler's processor for structured outputs: each constrained row's forbidden
+    tokens set to -inf before the draw, its matcher moved past the chosen token after."""
 
+    order = 3  # last: nothing after it may lift a forbidden token off -inf
 
-def advance_grammars(requests: Sequence[GrammarRequest], token_ids: Sequence[int]) -> None:
-    """Move each row's matcher past the token chosen for it."""
-    for request, token_id in zip(requests, token_ids):
-        if request.params.structured_output is not None and not request.grammar.accept_token(
-            token_id
-        ):
-            raise RuntimeError(f"token {token_id} was sampled against its request's grammar")
+    def uses(self, requests: Sequence[GrammarRequest]) -> bool:
+        return any(request.params.structured_output is not None for request in requests)
+
+    def process(self, logits: torch.Tensor, requests: Sequence[GrammarRequest]) -> None:
+        rows = [row for row, request in enumerate(requests)
+                if request.params.structured_output is not None]
+        bitmask = xgrammar.allocate_token_bitmask(len(requests), logits.shape[-1])
+        for row in rows:
+            requests[row].grammar.fill_next_token_bitmask(bitmask, row)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+    def accept(self, requests: Sequence[GrammarRequest], token_ids: list[int]) -> None:
+        for request, token_id in zip(requests, token_ids):
+            if request.params.structured_output is not None and not request.grammar.accept_token(
+                token_id
+            ):
+                raise RuntimeError(f"token {token_id} was sampled against its request's grammar")

@@ -15,11 +15,12 @@ as "the token's own log-probability plus the `k` likeliest tokens' at that posit
 * **Prompt tokens** are scored by the prefill pass that computes them, from the raw model
   output (nothing is being sampled there): the logits at position `p` give token `p + 1`
   its value, so a prompt's first token has none. The runner computes those rows' logits
-  besides the sampled ones (`step_inputs.py`), chunk by chunk with chunked prefill.
+  besides the sampled ones, chunk by chunk with chunked prefill: `PromptScorer` is an
+  output hook of the runner (`runner/runner.py`).
 
 Both are computed on the device for all rows at once and copied to the host in one
-transfer per step: the sampler packs them with the chosen token ids (`score_rows`,
-`unpack_rows`), so asking for logprobs adds no device-to-host synchronisation of its own.
+transfer per step: the sampler's final copy packs them with the chosen token ids
+(`with_logprobs`), so asking for logprobs adds no device-to-host synchronisation of its own.
 """
 
 from __future__ import annotations
@@ -30,17 +31,37 @@ from typing import Protocol
 
 import torch
 
+from nanoqwen.outputs import TokenLogprobs
+from nanoqwen.sampling.sampler import SamplingRequest, to_device
+
 # Rows of prompt logits scored at a time: bounds the float32 temporaries of a long chunk.
 PROMPT_ROWS_PER_PASS = 256
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One position: the token there, its log-probability, and the likeliest tokens'."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+def with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[SamplingRequest]
+) -> list[int]:
+    """The sampler's final copy when logprobs are on: the chosen ids as a list, and each
+    asking row's log-probabilities appended to its request, both in one copy."""
+    scored = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
+    if not scored:
+        return token_ids.tolist()
+    params = [requests[row].params for row in scored]
+    rows = to_device(scored, torch.int64, logits.device)
+    chosen_logits = logits[rows].float()
+    temperatures = [p.scoring_temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        scale = to_device(temperatures, torch.float32, logits.device)
+        chosen_logits = chosen_logits / scale[:, None]
+    k = max(p.logprobs for p in params)
+    packed = score_rows(torch.log_softmax(chosen_logits, dim=-1), token_ids[rows], k)
+    host = torch.cat([token_ids.double(), packed.flatten()]).tolist()
+    tokens = [int(token) for token in host[: len(requests)]]
+    entries = unpack_rows(host[len(requests) :], [tokens[row] for row in scored],
+                          [p.logprobs for p in params], k)
+    for row, entry in zip(scored, entries):
+        requests[row].logprobs.append(entry)
+    return tokens
 
 
 def score_rows(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,6 +105,40 @@ class PromptRows:
     request: ScoredPrompt
     first: int
     count: int
+
+
+class PromptScorer:
+    """The runner's output hook for prompt logprobs: asks for the rows of each prompt chunk
+    whose tokens are not scored yet, and scores them from the raw logits."""
+
+    def __init__(self) -> None:
+        self.spans: list[PromptRows] = []
+
+    def extra_rows(self, rows: Sequence, row_starts: Sequence[int]) -> list[int]:
+        self.spans, wanted = [], []
+        for row, first_row in zip(rows, row_starts):
+            request = row.request
+            if request.prompt_logprobs is None:
+                continue
+            span = unscored_prompt_rows(request, row.start, row.start + len(row.token_ids))
+            if span.count:
+                self.spans.append(span)
+                start = first_row + span.first - row.start
+                wanted.extend(range(start, start + span.count))
+        return wanted
+
+    def take(self, sampled: Sequence, hidden: torch.Tensor, extra_logits: torch.Tensor) -> None:
+        if self.spans:
+            score_prompts(extra_logits, self.spans)
+
+
+def unscored_prompt_rows(request: ScoredPrompt, start: int, end: int) -> PromptRows:
+    """The positions in `[start, end)` whose logits score a prompt token not scored yet:
+    position `p` scores token `p + 1`, and tokens up to `len(prompt_logprobs)` are done
+    (a request recomputing its prompt after a preemption does not score it twice)."""
+    first = max(start, len(request.prompt_logprobs))
+    stop = min(end, len(request.prompt_token_ids) - 1)
+    return PromptRows(request, first, max(0, stop - first))
 
 
 def score_prompts(logits: torch.Tensor, spans: Sequence[PromptRows]) -> None:

@@ -1,23 +1,19 @@
-"""Batched sampling with per-request parameters.
+"""Batched sampling with per-request parameters: the core draw.
 
 One step gives a logits row per sampled request, and each request has its own settings.
 Turning the `[B, vocab]` logits into `B` token ids stays on the device, vectorised across
-rows, with one device→host copy at the end (the chosen ids, and any logprobs with them):
+rows, with one device→host copy at the end:
 
-1. the raw logits get each row's `logit_bias`, repetition penalty (tokens seen: divide
-   positive logits, multiply negative ones), presence/frequency penalties (output tokens:
-   `logit -= frequency * count + presence * (count > 0)`), then a grammar's mask
-   (`grammar.py`);
-2. greedy rows (temperature 0, or top_k 1) take the argmax;
-3. the others are tempered and softmaxed, tokens outside top-k, the top-p nucleus and
+1. greedy rows (temperature 0, or top_k 1) take the argmax;
+2. the others are tempered and softmaxed, tokens outside top-k, the top-p nucleus and
    `min_p * max_prob` are zeroed, and one is drawn by the exponential race:
    `argmax(probs / E)`, `E ~ Exp(1)`, picks `i` with probability `probs[i] / sum(probs)`,
    with each seeded row's noise from its own generator.
 
-`distribution` returns exactly what `sample` draws from, and `draw` / `uniform_noise` draw
-with the rows' own random streams, for verifying proposed tokens
-(`speculative/verification.py`). Rows asking for log-probabilities get them from the
-processed logits (`logprobs.py`).
+Features that change the logits before the draw plug in as `LogitsProcessor`s (penalties
+and logit bias in `penalties.py`, a grammar's mask in `grammar.py`); a feature that wants
+the chosen tokens' log-probabilities replaces `to_host`, the final copy (`logprobs.py`).
+A plain request meets none of them: its token goes straight from the logits to the draw.
 
 Invariant: a row's result depends only on that row's logits, parameters, token history and
 generator, so a seeded request gets the same tokens whatever shares its batch, in whichever
@@ -33,8 +29,6 @@ from typing import Protocol
 
 import torch
 
-from nanoqwen.sampling.grammar import GrammarMatcher, advance_grammars, apply_grammar_masks
-from nanoqwen.sampling.logprobs import TokenLogprobs, score_rows, unpack_rows
 from nanoqwen.sampling.params import SamplingParams
 
 
@@ -45,9 +39,30 @@ class SamplingRequest(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None  # on the logits' device; set iff params.seed is set
-    # Read only when the params ask for them:
-    grammar: GrammarMatcher | None  # params.structured_output: advanced by each chosen token
-    logprobs: list[TokenLogprobs] | None  # params.logprobs: each chosen token's, appended
+
+
+class LogitsProcessor:
+    """A feature that edits some rows' logits before the draw, and sees what was drawn.
+    Processors run in the order of their `order` (a mask last: nothing after it may lift
+    a forbidden token off -inf)."""
+
+    order = 0
+
+    def uses(self, requests: Sequence[SamplingRequest]) -> bool:
+        """Does any row of this batch ask for it?"""
+        raise NotImplementedError
+
+    def process(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> None:
+        """Edit (in place, float32) the logits of the rows that ask for it."""
+        raise NotImplementedError
+
+    def accept(self, requests: Sequence[SamplingRequest], token_ids: list[int]) -> None:
+        """See the token chosen for each row (most processors need not)."""
+
+
+# The last copy of a step: the chosen ids, from the device to the host (`logprobs.py`'s
+# brings the chosen tokens' log-probabilities along in the same copy).
+ToHost = Callable[[torch.Tensor, torch.Tensor, Sequence[SamplingRequest]], list[int]]
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -60,162 +75,57 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 class Sampler:
     """Turns a batch of logits rows into one token id per request."""
 
+    def __init__(self) -> None:
+        self.processors: list[LogitsProcessor] = []  # features add theirs when first used
+        self.to_host: ToHost | None = None  # None: `token_ids.tolist()`
+
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> list[int]:
         """Pick the next token for each row of ``logits`` ``[B, vocab]`` under its params."""
-        _check_shape(logits, requests)
-        logits = _process_logits(logits, requests)
-        token_ids = _choose(logits, requests)
-        scored = [row for row, req in enumerate(requests) if req.params.logprobs is not None]
-        if scored:
-            tokens = _with_logprobs(logits, token_ids, requests, scored)
-        else:
+        if self.processors:
+            logits = self.process(logits, requests)
+        token_ids = choose(logits, requests)
+        if self.to_host is None:
             tokens = token_ids.tolist()
-        advance_grammars(requests, tokens)
+        else:
+            tokens = self.to_host(logits, token_ids, requests)
+        for processor in self.processors:
+            processor.accept(requests, tokens)
         return tokens
 
-    def distribution(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest]
-    ) -> torch.Tensor:
-        """The normalised float32 distribution ``sample`` draws each row's token from.
+    def add_processor(self, processor_class: type[LogitsProcessor]) -> None:
+        """Have every later batch pass through a processor of this class (once)."""
+        if not any(type(processor) is processor_class for processor in self.processors):
+            self.processors.append(processor_class())
+            self.processors.sort(key=lambda processor: processor.order)
 
-        Penalties, temperature and the filters are applied; a greedy row is one-hot at
-        its argmax.
-        """
-        _check_shape(logits, requests)
-        logits = _process_logits(logits, requests)
-        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
-        if greedy:
-            rows = to_device(greedy, torch.int64, logits.device)
-            probs[rows, _argmax(logits[rows])] = 1.0
-        if len(greedy) < len(requests):
-            sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
-            rows = to_device(sampled, torch.int64, logits.device)
-            kept = _filtered_probs(logits[rows], [requests[row] for row in sampled])
-            probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
-        return probs
+    def process(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+        """The logits after every processor the batch uses: a float32 copy when any edits
+        them, the caller's tensor itself otherwise."""
+        copied = False
+        for processor in self.processors:
+            if processor.uses(requests):
+                if not copied:  # .float() would alias a float32 input: always copy
+                    logits, copied = logits.to(torch.float32, copy=True), True
+                processor.process(logits, requests)
+        return logits
 
 
-def draw(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """One token per row of ``probs`` (``[B, vocab]``, not necessarily normalised), each
-    row drawn with its request's random stream. Overwrites ``probs``."""
-    noise = _random_rows(probs.shape[-1], requests, probs.device, torch.Tensor.exponential_)
-    return _argmax(probs.div_(noise))
-
-
-def uniform_noise(requests: Sequence[SamplingRequest], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) number per request, ``[B]``, each from its request's random stream."""
-    return _random_rows(1, requests, device, torch.Tensor.uniform_)[:, 0]
-
-
-def _check_shape(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> None:
-    if logits.dim() != 2 or logits.shape[0] != len(requests):
-        raise ValueError(
-            f"logits must be [len(requests), vocab] = [{len(requests)}, vocab], "
-            f"got {tuple(logits.shape)}"
-        )
-
-
-def _argmax(rows: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's maximum; `max` finds it faster than `argmax` on CPUs."""
-    return rows.max(dim=-1).indices
-
-
-def _choose(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+def choose(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
     """Each row's token (on the device): the argmax for greedy rows, a draw for the rest."""
-    sampled_rows = [row for row, req in enumerate(requests) if not req.params.is_greedy]
+    # `max` finds the first index of each row's maximum faster than `argmax` on CPUs.
+    token_ids = logits.max(dim=-1).indices
+    sampled_rows = [row for row, request in enumerate(requests) if not request.params.is_greedy]
     if not sampled_rows:
-        return _argmax(logits)
+        return token_ids
     if len(sampled_rows) == len(requests):
-        return _sample_rows(logits, requests)
-    token_ids = _argmax(logits)
+        return draw(filtered_probs(logits, requests), requests)
     rows = to_device(sampled_rows, torch.int64, logits.device)
-    token_ids[rows] = _sample_rows(logits[rows], [requests[row] for row in sampled_rows])
+    sampled = [requests[row] for row in sampled_rows]
+    token_ids[rows] = draw(filtered_probs(logits[rows], sampled), sampled)
     return token_ids
 
 
-def _with_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[SamplingRequest],
-    scored: list[int],
-) -> list[int]:
-    """The chosen ids as a list, and each `scored` row's log-probabilities appended to its
-    request, both brought to the host in one copy."""
-    params = [requests[row].params for row in scored]
-    rows = to_device(scored, torch.int64, logits.device)
-    chosen_logits = logits[rows].float()
-    temperatures = [p.scoring_temperature for p in params]
-    if any(t != 1.0 for t in temperatures):
-        scale = to_device(temperatures, torch.float32, logits.device)
-        chosen_logits = chosen_logits / scale[:, None]
-    k = max(p.logprobs for p in params)
-    packed = score_rows(torch.log_softmax(chosen_logits, dim=-1), token_ids[rows], k)
-    host = torch.cat([token_ids.double(), packed.flatten()]).tolist()
-    tokens = [int(token) for token in host[: len(requests)]]
-    entries = unpack_rows(host[len(requests) :], [tokens[row] for row in scored],
-                          [p.logprobs for p in params], k)
-    for row, entry in zip(scored, entries):
-        requests[row].logprobs.append(entry)
-    return tokens
-
-
-def _process_logits(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Float32 logits with each row's logit bias, penalties and grammar mask applied; the
-    caller's tensor itself when no row uses any of them."""
-    params = [request.params for request in requests]
-    uses_repetition = [p.uses_repetition_penalty for p in params]
-    uses_output = [p.uses_output_penalties for p in params]
-    biased = any(p.logit_bias is not None for p in params)
-    constrained = any(p.structured_output is not None for p in params)
-    if not (any(uses_repetition) or any(uses_output) or biased or constrained):
-        return logits
-    # Always copy: .float() would alias a float32 input, and the edits below are in place.
-    logits = logits.to(torch.float32, copy=True)
-    vocab_size, device = logits.shape[-1], logits.device
-
-    if biased:
-        _add_logit_bias(logits, params)
-
-    if any(uses_repetition):
-        # Rows without the penalty get no history, so they stay untouched (penalty 1 anyway).
-        histories = [
-            r.prompt_token_ids + r.output_token_ids if uses else []
-            for r, uses in zip(requests, uses_repetition)
-        ]
-        seen = _token_counts(histories, vocab_size, device) > 0
-        penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalised, logits)
-
-    if any(uses_output):
-        outputs = [r.output_token_ids if uses else [] for r, uses in zip(requests, uses_output)]
-        counts = _token_counts(outputs, vocab_size, device)
-        frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)
-        presence = to_device([p.presence_penalty for p in params], torch.float32, device)
-        logits -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
-    if constrained:  # last: nothing after it may lift a forbidden token off -inf
-        apply_grammar_masks(logits, requests)
-    return logits
-
-
-def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Add (in place) each row's `logit_bias` to the logits of the token ids it names."""
-    rows, token_ids, biases = [], [], []
-    for row, p in enumerate(params):
-        for token_id, bias in (p.logit_bias or {}).items():
-            rows.append(row)
-            token_ids.append(token_id)
-            biases.append(bias)
-    index = (to_device(rows, torch.int64, logits.device),
-             to_device(token_ids, torch.int64, logits.device))
-    logits.index_put_(index, to_device(biases, torch.float32, logits.device), accumulate=True)
-
-
-def _sample_rows(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
-    """Draw one token per row (none of them greedy) from the filtered, tempered distribution."""
-    return draw(_filtered_probs(logits, requests), requests)
-
-
-def _filtered_probs(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
     """Softmax of the tempered logits with the tokens outside top-k, top-p and min-p zeroed
     (not renormalised), for rows that are not greedy."""
     params = [request.params for request in requests]
@@ -248,7 +158,7 @@ def _drop_outside_top_k_top_p(probs: torch.Tensor, params: Sequence[SamplingPara
         # Rows with top_p == 1 get an unreachable threshold: rounding in the cumulative sum
         # could otherwise drop their tail.
         top_p = to_device([p.top_p if p.top_p < 1.0 else math.inf for p in params],
-                           torch.float32, device)
+                          torch.float32, device)
         # A token is in the nucleus if the mass strictly before it is still short of top_p;
         # the top token (mass_before 0) is therefore always kept.
         drop |= mass_before >= top_p[:, None] * cumulative[:, -1:]
@@ -266,7 +176,14 @@ def _drop_below_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
     probs.masked_fill_(probs < threshold, 0.0)
 
 
-def _random_rows(
+def draw(probs: torch.Tensor, requests: Sequence[SamplingRequest]) -> torch.Tensor:
+    """One token per row of ``probs`` (``[B, vocab]``, not necessarily normalised), each
+    row drawn with its request's random stream. Overwrites ``probs``."""
+    noise = random_rows(probs.shape[-1], requests, probs.device, torch.Tensor.exponential_)
+    return probs.div_(noise).max(dim=-1).indices
+
+
+def random_rows(
     width: int, requests: Sequence[SamplingRequest], device: torch.device, fill: Callable
 ) -> torch.Tensor:
     """``[len(requests), width]`` float32 noise made by ``fill(tensor, generator=...)`` (an
@@ -285,21 +202,6 @@ def _random_rows(
     for row, generator in seeded_rows:
         fill(noise[row], generator=generator)
     return noise
-
-
-def _token_counts(token_lists: Sequence[list[int]], vocab_size: int,
-                  device: torch.device) -> torch.Tensor:
-    """``[rows, vocab]`` float32 occurrence counts of each row's token ids.
-
-    Ragged rows are padded with the id ``vocab_size``, which lands in a spare last column that
-    is sliced off, so padding needs no mask.
-    """
-    width = max((len(ids) for ids in token_lists), default=0)
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
-    index = to_device(padded, torch.int64, device)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
-    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
-    return counts[:, :vocab_size]
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -8,16 +8,14 @@ other modules need to know about one request lives here:
 * its KV state: the pages holding its keys and values (`pages`, in token order) and how
   many of its tokens already have K/V in them (`num_computed_tokens`). Tokens past that
   still need a forward pass: a whole prompt chunk for a prefill, one token for a decode;
-* its place in the queues (`status`) and, once it has ended, why (`finish_reason`);
-* how urgent it is: the `priority` it was given (lower is more urgent) and the `urgency`
-  key the scheduler orders requests by (`waiting_queue.py` explains it);
-* how to sample it (`params`, `generator`, a structured-output `grammar`) and how to
-  stream its text (`detokenizer`); the log-probabilities it asked for, as they are
-  computed (`logprobs`, `prompt_logprobs`); for an embedding request, its `pooling`
-  params and, once computed, its `embedding`;
-* during a step, tokens a proposer guessed for it, for the model to verify in the same
-  pass (`proposed_token_ids`; none unless an engine proposes any). They are not part of
-  `token_ids`: only the tokens verification accepts are appended there.
+* its place in the queues (`status`), why it ended (`finish_reason`), and how urgent it is
+  (`priority`, lower first, and the `urgency` key the waiting queue orders by);
+* how to sample it (`params`, a seeded `generator`) and how to stream its text
+  (`detokenizer`).
+
+Features a request may ask for keep their own state on it, untouched by the core: a
+structured output's `grammar` matcher, the `logprobs` and `prompt_logprobs` computed so far,
+an embedding request's `pooling` params and its `embedding`.
 
 Invariant: `num_computed_tokens <= len(pages) * page_size`, and page `i` holds the K/V of
 tokens `[i * page_size, (i + 1) * page_size)`. A request's life, step by step:
@@ -28,18 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from nanoqwen.sampling.grammar import GrammarMatcher
-from nanoqwen.sampling.logprobs import TokenLogprobs
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
-from nanoqwen.text.detokenizer import IncrementalDetokenizer
+if TYPE_CHECKING:
+    from nanoqwen.outputs import TokenLogprobs
+    from nanoqwen.sampling.params import SamplingParams
 
 # (aged priority, arrival number): smaller is more urgent, and no two requests tie.
-Urgency: TypeAlias = tuple[int, int]
+Urgency: TypeAlias = tuple[float, int]
 
 
 class Status(Enum):
@@ -54,9 +50,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None  # set when the request is seeded
-    # Streams the output text. Requests built only to exercise the model (the memory
-    # profile of a start-up step) have none.
-    detokenizer: IncrementalDetokenizer | None = None
+    # Streams the output text (`text/tokenizer.py`'s `IncrementalDetokenizer`). Requests built
+    # only to exercise the model (a start-up memory profile) have none.
+    detokenizer: Any = None
     token_ids: list[int] = field(init=False)  # the prompt, then every generated token
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
@@ -66,46 +62,20 @@ class Request:
     finish_reason: str | None = None
     priority: int = 0  # lower is more urgent
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
-    # Guessed next tokens this step verifies (see the module docstring).
-    proposed_token_ids: list[int] = field(default_factory=list)
-    grammar: GrammarMatcher | None = None  # set iff params.structured_output is
-    pooling: PoolingParams | None = None  # an embedding request: no text, an `embedding`
+    state_slot: int | None = None  # its slot of the state pool (models with recurrent layers)
+    # What optional features keep on a request (see the module docstring).
+    grammar: Any = None  # an xgrammar matcher, iff params.structured_output is set
+    pooling: Any = None  # PoolingParams: an embedding request, no text
     embedding: torch.Tensor | None = None
-    # Filled as computed, when the params ask: one entry per generated token, and one per
-    # prompt token after the first.
-    logprobs: list[TokenLogprobs] | None = field(init=False, default=None)
-    prompt_logprobs: list[TokenLogprobs] | None = field(init=False, default=None)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
-        if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_tokens_with_proposed(self) -> int:
-        return len(self.token_ids) + len(self.proposed_token_ids)
-
-    def tokens_with_proposed(self, start: int, end: int) -> list[int]:
-        """Tokens `[start, end)` of the sequence the proposed tokens extend."""
-        num_accepted = len(self.token_ids)
-        if end <= num_accepted:
-            return self.token_ids[start:end]
-        proposed = self.proposed_token_ids[max(start - num_accepted, 0) : end - num_accepted]
-        return self.token_ids[start:end] + proposed
-
-    @property
-    def num_reusable_tokens(self) -> int:
-        """How many leading tokens may come from the prefix cache: all but the last (its
-        logits give the next token), and none whose prompt logprobs are still owed."""
-        if self.prompt_logprobs is None:
-            return self.num_tokens - 1
-        return min(self.num_tokens - 1, len(self.prompt_logprobs))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,8 +83,16 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last (its
+        logits give the next token), and none whose prompt logprobs are still owed."""
+        if self.prompt_logprobs is None:
+            return len(self.token_ids) - 1
+        return min(len(self.token_ids) - 1, len(self.prompt_logprobs))

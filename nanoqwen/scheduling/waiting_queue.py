@@ -36,15 +36,6 @@ def check_priority(priority: object, policy: str) -> None:
         )
 
 
-def priority_list(priority: object, count: int) -> list[object]:
-    """The priorities of `count` requests: `priority`, a list of them; None: all 0. Each
-    is checked as its request is added (`check_priority`)."""
-    priorities = [0] * count if priority is None else priority
-    if not isinstance(priorities, (list, tuple)) or len(priorities) != count:
-        raise ValueError(f"priority must be a list of {count} integers, got {priority!r}")
-    return list(priorities)
-
-
 def urgency(
     policy: str, priority: int, arrival_step: int, arrival: int, aging_steps: int
 ) -> Urgency:
@@ -76,11 +67,13 @@ class WaitingQueue:
 
     def peek(self) -> Request | None:
         """The most urgent waiting request, left in the queue; None if there is none."""
-        self._drop_removed()
+        while self._heap and self._heap[0][1] in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[1])
         return self._heap[0][1] if self._heap else None
 
     def pop(self) -> Request:
-        self._drop_removed()
+        """Take the most urgent waiting request out (there must be one)."""
+        self.peek()
         return heapq.heappop(self._heap)[1]
 
     def remove(self, request: Request) -> None:
@@ -88,7 +81,3 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._heap) - len(self._removed)
-
-    def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][1] in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[1])

@@ -18,7 +18,8 @@ Read it in this order:
   to its last event.
 * `plumbing`, `headers`, `sockets` and `app` — the `http.server` parts: deadlines,
   disconnects, strict headers, who may call, Server-Sent Events, the connection cap and a
-  shutdown that never waits on a client.
+  shutdown that never waits on a client; `settings` holds the server's limits, `page`
+  serves the chat page's files.
 
 `make_server(model, host, port, **options)` takes the port, loads a model and returns
 the bound `OpenAIServer`; `serve.py` is its command line.

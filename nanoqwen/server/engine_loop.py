@@ -44,8 +44,7 @@ import torch
 
 from nanoqwen.engine import EncodedPrompt, LLMEngine
 from nanoqwen.outputs import RequestOutput, StepError
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.sampling.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("nanoqwen.server")
 

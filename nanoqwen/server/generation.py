@@ -20,8 +20,7 @@ from typing import Any, Protocol
 
 from nanoqwen.engine import EncodedPrompt
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.sampling.params import PoolingParams, SamplingParams
 from nanoqwen.server import protocol
 from nanoqwen.server.engine_loop import (
     NotServing,

@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from nanoqwen.sampling.logprobs import TokenLogprobs
+from nanoqwen.outputs import TokenLogprobs
 from nanoqwen.sampling.params import MAX_LOGPROBS
 from nanoqwen.server.protocol import bad_request
 from nanoqwen.text.tokenizer import Tokenizer

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server.logprobs import check_count
 from nanoqwen.server.protocol import bad_request, checked_field
 from nanoqwen.server.structured import parse_response_format

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from nanoqwen.metrics import CONTENT_TYPE
-from nanoqwen.sampling.grammar import StructuredOutput
-from nanoqwen.sampling.pooling import PoolingParams
+from nanoqwen.sampling.params import PoolingParams
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server import page, protocol, tokenizing, tokens
 from nanoqwen.server.fields import check_fields
 from nanoqwen.server.generation import Answer, GenerationHandler

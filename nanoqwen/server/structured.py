@@ -1,6 +1,6 @@
 """Structured outputs on the wire: the request fields that ask for a grammar.
 
-Three spellings reach the same `StructuredOutput` (`sampling/grammar.py`):
+Three spellings reach the same `StructuredOutput` (`sampling/structured.py`; compiled by `sampling/grammar.py`):
 
 * OpenAI's `response_format`: `{"type": "text"}` (no grammar), `{"type": "json_object"}`
   (any JSON object) or `{"type": "json_schema", "json_schema": {"name", "schema",
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoqwen.engine import LLMEngine
-from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server.protocol import bad_request
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

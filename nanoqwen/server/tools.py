@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nanoqwen.sampling.grammar import StructuredOutput
+from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server.protocol import APIError, bad_request
 from nanoqwen.server.schemas import normalize_parameters
 from nanoqwen.text.stop_strings import partial_match_length

@@ -1,51 +1,60 @@
 """Speculative decoding: guess a few tokens cheaply, let the target model check them at once.
 
 A proposer guesses each request's next `k` tokens; the step computes them as `k + 1` new
-tokens of the request's row (its last accepted token, then the drafts), beside everyone
-else's rows, and `verification.py` keeps the drafts up to the first wrong one plus one
-token of the target's own. Two proposers:
+tokens of the request's row (its last token, then the guesses), beside everyone else's
+rows, and `verification.py` keeps the guesses up to the first wrong one plus one token of
+the target's own. Two proposers:
 
 * `NgramProposer` (prompt lookup): what followed the latest earlier occurrence of the
   request's last `n` tokens in its own text, `n` from `ngram_max` down to `ngram_min`; a
-  dictionary lookup that wins where outputs copy their input. No match, no drafts: the
+  dictionary lookup that wins where outputs copy their input. No match, no guesses: the
   step is an ordinary one.
-* `DraftModelProposer`: a smaller model with the same tokenizer, run by its own
-  `ModelRunner`, proposes `k` tokens one at a time.
+* `DraftModelProposer`: a smaller model with the same tokenizer, run by a runner of its
+  own on a KV cache with the target's pages, proposes `k` tokens one at a time.
 
-The hook: the engine knows speculation only through its proposer. `propose` (right after
-the schedule) puts drafts on requests (`Request.proposed_token_ids`), with pages only where
-they can be had without preempting anyone (`Scheduler.make_room_for_proposed`); the runner
-verifies them with the proposer's `choose_tokens`; `settle` (after the engine has appended
-the accepted tokens through its stop checks) counts them and rolls the rest back
-(`Scheduler.settle_proposed`). Verification steps run eagerly: their rows vary in length,
-so they are shaped like small prefills, not decodes.
+The hook: `Speculation` is the engine's `StepHook`, so the core never hears of drafts.
+Before a step is laid out it appends guesses to the rows that reach their request's last
+token (with pages only where they can be had without preempting anyone:
+`Scheduler.reserve`) and marks them sampled; its `choose_tokens` replaces the runner's
+and verifies them; once they are chosen, before they are appended, it counts them and
+forgets the rejected ones' K/V (`Scheduler.rollback`), so the prefix cache only ever sees
+accepted tokens. Verification steps run eagerly: their rows vary in length, so they are
+shaped like small prefills, not decodes.
 
 Invariant: the draft model's KV cache uses the target's page numbers, and a request's
 first `num_computed_tokens` tokens have K/V in both pools: the draft model runs every row
-of the target's step first (prefilling chunk by chunk with it), then its drafts, then one
-more pass, so whichever drafts are accepted, both pools hold them. The story:
+of the target's step first (prefilling chunk by chunk with it), then its drafts, so
+whichever drafts are accepted, both pools hold them. The story:
 docs/learn/10-speculative-decoding.md.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.config import EngineConfig
-from nanoqwen.runner.runner import ModelRunner, RunnerSettings, on_device
+from nanoqwen.config import EngineConfig, RunnerSettings
+from nanoqwen.runner.runner import ModelRunner, on_device
+from nanoqwen.runner.startup import start_runners
 from nanoqwen.sampling.sampler import Sampler, draw
-from nanoqwen.scheduling.batch import ScheduledBatch
 from nanoqwen.scheduling.request import Request, Status
-from nanoqwen.scheduling.scheduler import Scheduler
-from nanoqwen.speculative.verification import DraftRow, sample_with_drafts, select_rows
+from nanoqwen.scheduling.scheduler import Row, Scheduler
+from nanoqwen.speculative.verification import (
+    DraftRow,
+    distribution,
+    sample_with_drafts,
+    select_rows,
+)
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import Checkpoint, open_checkpoint
+
+# Pages for up to `count` guesses after a row's tokens; how many it may carry.
+Reserve = Callable[[int, int], int]
 
 
 @dataclass
@@ -79,108 +88,105 @@ class SpeculationStats:
         }
 
 
-class Proposer:
-    """Attaches draft tokens to a step's rows and settles them after verification. This
-    base class proposes nothing: it is the engine's proposer when speculation is off."""
+class Speculation:
+    """The engine's step hook for speculative decoding (see the module docstring)."""
 
-    # The runners of models that keep K/V for the same tokens as the target's, in caches
-    # with the same pages (sized and allocated with the target's).
-    runners: Sequence[ModelRunner] = ()
-
-    def __init__(self, num_speculative_tokens: int = 0, max_model_len: int = 0) -> None:
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_model_len = max_model_len
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_speculative_tokens, self.max_model_len = num_speculative_tokens, max_model_len
         self.stats = SpeculationStats()
+        self.drafted: dict[Request, int] = {}  # this step's guesses per request
+        self.scheduler: Scheduler | None = None
+
+    def attach(self, engine: Any) -> None:
+        """Take the engine's (an `LLMEngine`'s) scheduler, and verify its runner's steps."""
+        self.scheduler = engine.scheduler
+        engine.runner.choose_tokens = self.proposer.choose_tokens
 
     def stats_group(self) -> dict[str, dict[str, Any]]:
-        """`LLMEngine.stats()`'s `speculative` group; none when nothing is ever proposed."""
-        return {"speculative": self.stats.as_dict()} if self.num_speculative_tokens else {}
+        return {"speculative": self.stats.as_dict()}
 
-    @property
-    def max_proposed(self) -> int:
-        """The most draft tokens one request carries into a step."""
-        return self.num_speculative_tokens
+    def before_layout(self, rows: list[Row]) -> None:
+        wanted = {i: self.wanted(row) for i, row in enumerate(rows)}
+        drafts = self.proposer.propose(rows, {i: n for i, n in wanted.items() if n}, self._reserve(rows))
+        for index, tokens in drafts.items():
+            rows[index].token_ids.extend(tokens)
+            rows[index].num_sampled += len(tokens)
+            self.drafted[rows[index].request] = len(tokens)
 
-    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
-        """Give rows of `batch` that reach their request's last token some draft tokens."""
-
-    def choose_tokens(
-        self, sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
-    ) -> list[list[int]]:
-        """Each request's new tokens: its accepted drafts, then one of the target's own."""
-        return sample_with_drafts(sampler, logits, requests)
-
-    def wanted(self, batch: ScheduledBatch, index: int) -> int:
-        """How many drafts row `index` may carry: none unless it reaches the request's last
+    def wanted(self, row: Row) -> int:
+        """How many guesses a row may carry: none unless it reaches the request's last
         token, never more than the request can still generate, and none for a request that
         wants each token's logprobs or follows a grammar (the sampler serves those one
         token at a time)."""
-        request = batch.requests[index]
-        if not batch.reaches_last_token(index) or not _speculates(request):
+        request, params = row.request, row.request.params
+        if not row.num_sampled or params.logprobs is not None or params.structured_output is not None:
             return 0
-        left = min(
-            request.params.max_tokens - request.num_output_tokens,
-            self.max_model_len - request.num_tokens,
-        )
+        left = min(params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens)
         return max(0, min(self.num_speculative_tokens, left - 1))  # the target adds one
 
-    @staticmethod
-    def reserve(batch: ScheduledBatch, index: int, num_drafts: int, scheduler: Scheduler) -> int:
-        """Pages for row `index` to carry `num_drafts` drafts; how many it may carry."""
-        end = batch.start(index) + batch.num_new_tokens[index]
-        return scheduler.make_room_for_proposed(batch.requests[index], end, num_drafts)
+    def _reserve(self, rows: list[Row]) -> Reserve:
+        def reserve(index: int, count: int) -> int:
+            row = rows[index]
+            end = row.start + len(row.token_ids)
+            return max(0, min(count, self.scheduler.reserve(row.request, end + count) - end))
 
-    def settle(self, sampled: Sequence[tuple[Request, list[int]]], scheduler: Scheduler) -> None:
-        """After the new tokens are appended: count, and roll back rejected drafts."""
-        for request, new_tokens in sampled:
-            if not request.proposed_token_ids:
+        return reserve
+
+    def after_forward(self, sampled: list[Request], new_tokens: list[list[int]]) -> None:
+        """Count the verified guesses; keep the K/V of the accepted ones only."""
+        for request, tokens in zip(sampled, new_tokens):
+            num_drafts = self.drafted.pop(request, 0)
+            if not num_drafts:
                 continue
-            self.stats.proposed += len(request.proposed_token_ids)
-            self.stats.accepted += len(new_tokens) - 1
+            accepted = len(tokens) - 1
+            self.stats.proposed += num_drafts
+            self.stats.accepted += accepted
             self.stats.verifications += 1
             if request.status is Status.RUNNING:
-                scheduler.settle_proposed(request)
-            else:  # finished by one of its new tokens: its pages are released already
-                request.proposed_token_ids = []
-            self.forget(request)
+                self.scheduler.rollback(request, request.num_tokens + accepted)
+            self.proposer.forget(request)
 
-    def discard(self, batch: ScheduledBatch) -> None:
-        """Forget the drafts of a step that failed before its tokens were appended."""
-        for request in batch.requests:
-            request.proposed_token_ids = []
-            self.forget(request)
+    def discard(self, rows: list[Row]) -> None:
+        """Forget the guesses of a step that failed before its tokens were chosen."""
+        for row in rows:
+            self.drafted.pop(row.request, None)
+            self.proposer.forget(row.request)
+
+
+class Proposer:
+    """Guesses tokens for rows; this base class verifies without remembering anything."""
+
+    def propose(self, rows: list[Row], wanted: dict[int, int], reserve: Reserve) -> dict[int, list[int]]:
+        """Guesses for rows `wanted` names, at most that many each, with pages `reserve`d."""
+        raise NotImplementedError
+
+    def choose_tokens(self, sampler: Sampler, logits: torch.Tensor, rows: Sequence[Row]) -> list[list[int]]:
+        """Each row's new tokens: its accepted guesses, then one of the target's own."""
+        return sample_with_drafts(sampler, logits, rows)
 
     def forget(self, request: Request) -> None:
-        """Drop what this proposer kept of `request`'s drafts (nothing, here)."""
-
-
-def _speculates(request: Request) -> bool:
-    params = request.params
-    return params.logprobs is None and params.structured_output is None
+        """Drop what this proposer kept of `request`'s guesses (nothing, here)."""
 
 
 class NgramProposer(Proposer):
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n-gram."""
 
-    def __init__(
-        self, num_speculative_tokens: int, max_model_len: int, ngram_min: int, ngram_max: int,
-    ) -> None:
-        super().__init__(num_speculative_tokens, max_model_len)
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         # One index per request, dropped with the request itself.
         self.indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
-    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
-        for index, request in enumerate(batch.requests):
-            wanted = self.wanted(batch, index)
-            if not wanted:
-                continue
+    def propose(self, rows: list[Row], wanted: dict[int, int], reserve: Reserve) -> dict[int, list[int]]:
+        drafts = {}
+        for index, count in wanted.items():
+            request = rows[index].request
             lookup = self.indexes.setdefault(request, NgramIndex(self.ngram_min, self.ngram_max))
-            drafts = lookup.propose(request.token_ids, wanted)
-            if drafts:  # pages only for what was found
-                drafts = drafts[: self.reserve(batch, index, len(drafts), scheduler)]
-                request.proposed_token_ids = drafts
-                batch.num_new_tokens[index] += len(drafts)
+            found = lookup.propose(request.token_ids, count)
+            if found:  # pages only for what was found
+                drafts[index] = found[: reserve(index, len(found))]
+        return drafts
 
 
 class NgramIndex:
@@ -221,86 +227,74 @@ def overlapping_copy(tokens: list[int], start: int, count: int) -> list[int]:
 class DraftModelProposer(Proposer):
     """A smaller model of the same tokenizer proposes each request's next tokens."""
 
-    def __init__(
-        self, num_speculative_tokens: int, max_model_len: int, runner: ModelRunner,
-        vocab_size: int,
-    ) -> None:
-        super().__init__(num_speculative_tokens, max_model_len)
+    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
         self.runner = runner  # the draft model's, on a cache mirroring the target's pages
-        self.runners = [runner]
         self.vocab_size = vocab_size  # the target's: draft logits are cut or padded to it
         # The distributions sampled requests' drafts came from, `[num_drafts, vocab]`:
         # verification's `q` (greedy requests and n-gram guesses need none).
         self.draft_probs: dict[Request, torch.Tensor] = {}
 
-    def choose_tokens(
-        self, sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request]
-    ) -> list[list[int]]:
-        return sample_with_drafts(sampler, logits, requests, self.draft_probs.get)
+    def choose_tokens(self, sampler: Sampler, logits: torch.Tensor, rows: Sequence[Row]) -> list[list[int]]:
+        return sample_with_drafts(sampler, logits, rows, self.draft_probs.get)
 
     def forget(self, request: Request) -> None:
         self.draft_probs.pop(request, None)
 
-    def propose(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
-        num_drafts = {}
-        for index in range(len(batch)):
-            wanted = self.wanted(batch, index)
-            if wanted:
-                num_drafts[index] = self.reserve(batch, index, wanted, scheduler)
+    def propose(self, rows: list[Row], wanted: dict[int, int], reserve: Reserve) -> dict[int, list[int]]:
+        counts = {index: reserve(index, count) for index, count in wanted.items()}
         # The engine calls this from whichever thread steps it, whose current CUDA device
         # may be another GPU's: the draft's passes, and its sampling, run on the draft's.
         with on_device(self.runner.device):
-            self._draft(batch, num_drafts)
+            return self._draft(rows, {index: count for index, count in counts.items() if count})
 
-    def _draft(self, batch: ScheduledBatch, num_drafts: dict[int, int]) -> None:
-        """Run the target's rows through the draft model, then `num_drafts[index]` one-token
-        passes for row `index`, appending each sampled draft to its request."""
-        sampled = [index for index in range(len(batch)) if batch.reaches_last_token(index)]
+    def _draft(self, rows: list[Row], counts: dict[int, int]) -> dict[int, list[int]]:
+        """Run the target's rows through the draft model, then `counts[index]` one-token
+        passes for row `index`: each computes a draft's K/V and, but the last, samples the
+        next draft."""
+        sampled = [index for index, row in enumerate(rows) if row.num_sampled]
         # The target's rows first, so the draft's K/V keeps up with the target's.
-        logits = self._logits(batch)
-        rows = [row for row, index in enumerate(sampled) if num_drafts.get(index)]
-        drafting = [sampled[row] for row in rows]
-        self._extend([batch.requests[i] for i in drafting], select_rows(logits, rows))
-        # Then one token per pass: the K/V of the latest draft, and the logits of the next.
-        targets = {batch.requests[i]: num_drafts[i] for i in drafting}
-        for position in range(max(targets.values(), default=0)):
-            feeding = [r for r, count in targets.items() if count > position]
-            logits = self._logits(ScheduledBatch(
-                feeding, [1] * len(feeding), starts=[r.num_tokens + position for r in feeding]
-            ))
-            growing = [row for row, r in enumerate(feeding) if targets[r] > position + 1]
-            self._extend([feeding[row] for row in growing], select_rows(logits, growing))
-        for index in drafting:
-            batch.num_new_tokens[index] += len(batch.requests[index].proposed_token_ids)
+        logits = self._logits(rows)
+        drafts: dict[int, list[int]] = {index: [] for index in counts}
+        first = [sampled.index(index) for index in counts]
+        self._extend(rows, drafts, list(counts), select_rows(logits, first))
+        for position in range(max(counts.values(), default=0)):
+            feeding = [index for index in counts if counts[index] > position]
+            passes = [Row(rows[i].request, rows[i].request.num_tokens + position,
+                          [drafts[i][position]], 1) for i in feeding]
+            logits = self._logits(passes)
+            growing = [row for row, index in enumerate(feeding) if counts[index] > position + 1]
+            self._extend(rows, drafts, [feeding[row] for row in growing], select_rows(logits, growing))
+        return drafts
 
-    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The draft model's logits for the sampled rows of `batch`, in the target's vocabulary."""
-        logits = self.runner.logits(batch)
+    def _logits(self, rows: list[Row]) -> torch.Tensor:
+        """The draft model's logits for the sampled rows, in the target's vocabulary."""
+        logits = self.runner.forward(self.runner.prepare(rows))
         vocab = logits.shape[-1]
         if vocab >= self.vocab_size:  # checkpoints pad their vocabularies differently
             return logits[:, : self.vocab_size]
         return F.pad(logits, (0, self.vocab_size - vocab), value=float("-inf"))
 
-    def _extend(self, requests: list[Request], logits: torch.Tensor) -> None:
-        """Sample one more draft for each request, as the request's own params would, and
-        keep the distribution it came from where verification needs it (sampled requests)."""
-        if not requests:
+    def _extend(
+        self, rows: list[Row], drafts: dict[int, list[int]], indexes: list[int], logits: torch.Tensor
+    ) -> None:
+        """Sample one more draft for each of `indexes`' rows, as the request's own params
+        would, keeping the distribution it came from where verification needs it."""
+        if not indexes:
             return
-        rows = [DraftRow(request, len(request.proposed_token_ids)) for request in requests]
-        q = self.runner.sampler.distribution(logits, rows)
-        tokens = draw(q.clone(), rows).tolist()
-        for request, token_id, probs in zip(requests, tokens, q):
-            request.proposed_token_ids.append(token_id)
+        views = [DraftRow(rows[i].request, drafts[i]) for i in indexes]
+        q = distribution(self.runner.sampler, logits, views)
+        tokens = draw(q.clone(), views).tolist()
+        for index, token_id, probs in zip(indexes, tokens, q):
+            request = rows[index].request
+            drafts[index].append(token_id)
             if not request.params.is_greedy:
                 earlier = self.draft_probs.get(request)
                 self.draft_probs[request] = torch.cat([*([] if earlier is None else [earlier]),
                                                        probs[None]])
 
 
-def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoint | None:
-    """The draft model asked for, checked to speak the target's tokenizer; None without one."""
-    if config.speculative != "draft":
-        return None
+def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoint:
+    """The draft model asked for, checked to speak the target's tokenizer."""
     checkpoint = open_checkpoint(config.draft_model)
     if Tokenizer(checkpoint.path).get_vocab() != tokenizer.get_vocab():
         raise ValueError(
@@ -309,16 +303,23 @@ def resolve_draft_model(config: EngineConfig, tokenizer: Tokenizer) -> Checkpoin
     return checkpoint
 
 
-def make_proposer(
-    config: EngineConfig, tokenizer: Tokenizer, settings: RunnerSettings, vocab_size: int
-) -> Proposer:
-    """The proposer `config` asks for (one that proposes nothing without speculation). A
-    draft model is loaded here, with a runner of its own whose KV cache the engine sizes
-    and allocates with the target's."""
-    k, max_model_len = config.num_speculative_tokens, settings.max_model_len
+def start_speculation(
+    config: EngineConfig, checkpoint: Checkpoint, tokenizer: Tokenizer, settings: RunnerSettings
+) -> tuple[ModelRunner, Speculation]:
+    """The target's runner and the step hook `config` asks for. A draft model is loaded
+    beside the target, its KV cache sized and allocated with the target's."""
+    if checkpoint.model_config.state_layers:
+        raise ValueError(
+            "speculative decoding does not run on models with recurrent layers (Qwen3-Next, "
+            "Qwen3.5): their state would have to be kept after every guessed token, to go "
+            "back to the last accepted one"
+        )
+    k = config.num_speculative_tokens
     if config.speculative == "ngram":
-        return NgramProposer(k, max_model_len, config.ngram_min, config.ngram_max)
-    draft = resolve_draft_model(config, tokenizer)
-    if draft is None:
-        return Proposer()
-    return DraftModelProposer(k, max_model_len, ModelRunner(draft, settings), vocab_size)
+        (runner,) = start_runners([checkpoint], settings, max_proposed=k)
+        proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        draft = resolve_draft_model(config, tokenizer)
+        runner, draft_runner = start_runners([checkpoint, draft], settings, max_proposed=k)
+        proposer = DraftModelProposer(draft_runner, checkpoint.model_config.vocab_size)
+    return runner, Speculation(proposer, k, settings.max_model_len)

@@ -1,8 +1,8 @@
-"""Verification: keep the draft tokens the target model agrees with, and stay exact.
+"""Verification: keep the guessed tokens the target model agrees with, and stay exact.
 
-A request with `k` drafts has `k + 1` rows of logits in the step: row `i` predicts the
-token after draft `i` (row 0: after the last accepted token), the last row one token beyond
-the drafts. Each request turns its rows into 1 to `k + 1` new tokens:
+A row carrying `k` guesses (drafts) computes `k + 1` sampled rows of logits: row `i`
+predicts the token after draft `i` (row 0: after the request's last token), the last row
+one token beyond the drafts. Each request turns its rows into 1 to `k + 1` new tokens:
 
 * greedy: the longest prefix of drafts equal to the target's argmax, then the target's
   argmax at the first disagreement (or, all accepted, the bonus token after the last);
@@ -11,8 +11,8 @@ the drafts. Each request turns its rows into 1 to `k + 1` new tokens:
   the text), with probability `min(1, p(x) / q(x))`; at the first rejection draw from the
   normalised residual `max(0, p - q)` and stop; all accepted, draw the bonus from `p`.
 
-`p` is what the sampler would sample from at that row (`Sampler.distribution`: penalties,
-temperature, top-k/top-p/min-p), with the drafts before the row in its history
+`p` is what the sampler would sample from at that row (`distribution`: the logits
+processors, temperature, top-k/top-p/min-p), with the drafts before the row in its history
 (`DraftRow`). Random numbers come from a seeded request's own generator, in a fixed order.
 
 Invariant: every emitted token is distributed exactly as if the target had sampled it
@@ -27,18 +27,36 @@ from collections.abc import Callable, Sequence
 import torch
 
 from nanoqwen.sampling.params import SamplingParams
-from nanoqwen.sampling.sampler import Sampler, draw, to_device, uniform_noise
+from nanoqwen.sampling.sampler import (
+    Sampler,
+    SamplingRequest,
+    draw,
+    filtered_probs,
+    random_rows,
+    to_device,
+)
 from nanoqwen.scheduling.request import Request
+from nanoqwen.scheduling.scheduler import Row
+
+
+def uniform_noise(requests: Sequence[SamplingRequest], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) number per request, ``[B]``, each from its request's random stream."""
+    return random_rows(1, requests, device, torch.Tensor.uniform_)[:, 0]
+
+
+def drafts_of(row: Row) -> list[int]:
+    """The guesses a row carries: its tokens after the request's last one."""
+    return row.token_ids[len(row.token_ids) - row.num_sampled + 1 :]
 
 
 class DraftRow:
     """How the sampler sees one row of a request's draft block: the request, with the
     drafts before this row appended to its output."""
 
-    __slots__ = ("request", "num_drafts")
+    __slots__ = ("request", "drafts")
 
-    def __init__(self, request: Request, num_drafts: int) -> None:
-        self.request, self.num_drafts = request, num_drafts
+    def __init__(self, request: Request, drafts: list[int]) -> None:
+        self.request, self.drafts = request, drafts
 
     @property
     def params(self) -> SamplingParams:
@@ -50,11 +68,34 @@ class DraftRow:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + self.request.proposed_token_ids[: self.num_drafts]
+        return self.request.output_token_ids + self.drafts
 
     @property
     def generator(self) -> torch.Generator | None:
         return self.request.generator
+
+    @property
+    def grammar(self) -> object:
+        return self.request.grammar
+
+
+def distribution(
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[SamplingRequest]
+) -> torch.Tensor:
+    """The normalised float32 distribution the sampler draws each row's token from: the
+    processors, temperature and the filters applied; a greedy row one-hot at its argmax."""
+    logits = sampler.process(logits, requests)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
+    if greedy:
+        rows = to_device(greedy, torch.int64, logits.device)
+        probs[rows, logits[rows].max(dim=-1).indices] = 1.0
+    if len(greedy) < len(requests):
+        sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
+        rows = to_device(sampled, torch.int64, logits.device)
+        kept = filtered_probs(logits[rows], [requests[row] for row in sampled])
+        probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
+    return probs
 
 
 # The distributions a draft model sampled a request's drafts from, `[num_drafts, vocab]`;
@@ -69,40 +110,41 @@ def no_draft_probs(request: Request) -> None:
 def sample_with_drafts(
     sampler: Sampler,
     logits: torch.Tensor,
-    requests: Sequence[Request],
+    rows: Sequence[Row],
     draft_probs: DraftProbs = no_draft_probs,
 ) -> list[list[int]]:
-    """Each request's new tokens, from its `1 + len(proposed_token_ids)` consecutive rows
-    of `logits`: the accepted drafts, then one token of the target's own. A request without
-    drafts is sampled as it would be without speculation, in the same sampler call as the
-    greedy requests' draft rows (one device-to-host copy for both)."""
-    if not any(request.proposed_token_ids for request in requests):
-        return [[token_id] for token_id in sampler.sample(logits, requests)]
-    blocks, num_rows = [], 0  # each request's rows
-    for request in requests:
-        blocks.append(range(num_rows, num_rows + 1 + len(request.proposed_token_ids)))
+    """Each row's new tokens, from its `num_sampled` consecutive rows of `logits`: the
+    accepted drafts, then one token of the target's own. A row without drafts is sampled
+    as it would be without speculation, in the same sampler call as the greedy requests'
+    draft rows (one device-to-host copy for both)."""
+    if all(row.num_sampled == 1 for row in rows):
+        return [[token] for token in sampler.sample(logits, [row.request for row in rows])]
+    blocks, num_rows = [], 0  # each row's rows of logits
+    for row in rows:
+        blocks.append(range(num_rows, num_rows + row.num_sampled))
         num_rows = blocks[-1].stop
     if logits.shape[0] != num_rows:
         raise ValueError(f"expected {num_rows} rows of logits, got {logits.shape[0]}")
-    new_tokens: list[list[int]] = [[] for _ in requests]
-    plain = [i for i, request in enumerate(requests) if not request.proposed_token_ids]
-    greedy = [i for i, request in enumerate(requests)
-              if request.proposed_token_ids and request.params.is_greedy]
-    sampled = [i for i, request in enumerate(requests)
-               if request.proposed_token_ids and not request.params.is_greedy]
+    drafts = [drafts_of(row) for row in rows]
+    new_tokens: list[list[int]] = [[] for _ in rows]
+    plain = [i for i, d in enumerate(drafts) if not d]
+    greedy = [i for i, d in enumerate(drafts) if d and rows[i].request.params.is_greedy]
+    sampled = [i for i, d in enumerate(drafts) if d and not rows[i].request.params.is_greedy]
     if plain or greedy:
-        greedy_requests = [requests[i] for i in greedy]
-        rows = [blocks[i].start for i in plain] + [row for i in greedy for row in blocks[i]]
-        chosen = sampler.sample(
-            select_rows(logits, rows), [requests[i] for i in plain] + draft_rows(greedy_requests)
-        )
+        checked = [DraftRow(rows[i].request, drafts[i][:j]) for i in greedy
+                   for j in range(len(drafts[i]) + 1)]
+        picked = [blocks[i].start for i in plain] + [r for i in greedy for r in blocks[i]]
+        chosen = sampler.sample(select_rows(logits, picked),
+                                [rows[i].request for i in plain] + checked)
         for i, token_id in zip(plain, chosen):
             new_tokens[i] = [token_id]
-        for i, tokens in zip(greedy, _accept_greedy(greedy_requests, chosen[len(plain) :])):
+        greedy_drafts = [drafts[i] for i in greedy]
+        for i, tokens in zip(greedy, _accept_greedy(greedy_drafts, chosen[len(plain) :])):
             new_tokens[i] = tokens
     if sampled:
-        block = select_rows(logits, [row for i in sampled for row in blocks[i]])
-        verified = _verify_sampled(sampler, block, [requests[i] for i in sampled], draft_probs)
+        block = select_rows(logits, [r for i in sampled for r in blocks[i]])
+        verified = _verify_sampled(sampler, block, [rows[i].request for i in sampled],
+                                   [drafts[i] for i in sampled], draft_probs)
         for i, tokens in zip(sampled, verified):
             new_tokens[i] = tokens
     return new_tokens
@@ -115,70 +157,59 @@ def select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[to_device(rows, torch.int64, logits.device)]
 
 
-def draft_rows(requests: Sequence[Request]) -> list[DraftRow]:
-    """One `DraftRow` per row of each request's draft block, in order."""
-    return [
-        DraftRow(request, i)
-        for request in requests
-        for i in range(1 + len(request.proposed_token_ids))
-    ]
-
-
-def _accept_greedy(requests: Sequence[Request], targets: list[int]) -> list[list[int]]:
+def _accept_greedy(drafts: Sequence[list[int]], targets: list[int]) -> list[list[int]]:
     """Greedy requests' new tokens, given the target's argmax at every draft row."""
-    accepted = [draft == target for draft, target in zip(_drafts_by_row(requests), targets)]
-    return _new_tokens(requests, accepted, targets)
+    accepted = [draft == target for draft, target in zip(_by_row(drafts), targets)]
+    return _new_tokens(drafts, accepted, targets)
 
 
 def _verify_sampled(
-    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request], draft_probs: DraftProbs
+    sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
+    drafts: Sequence[list[int]], draft_probs: DraftProbs,
 ) -> list[list[int]]:
-    rows = draft_rows(requests)
-    p = sampler.distribution(logits, rows)
+    rows = [DraftRow(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+    p = distribution(sampler, logits, rows)
     q = torch.zeros_like(p)  # zero on the last row of each block: its residual is p itself
-    drafts = _drafts_by_row(requests)
-    checked_rows = [i for i, d in enumerate(drafts) if d is not None]
+    by_row = _by_row(drafts)
+    checked_rows = [i for i, d in enumerate(by_row) if d is not None]
     index = to_device(checked_rows, torch.int64, p.device)
-    ids = to_device([d for d in drafts if d is not None], torch.int64, p.device)
-    row = 0
-    for request in requests:
-        num_drafts = len(request.proposed_token_ids)
-        probs = draft_probs(request)
+    ids = to_device([d for d in by_row if d is not None], torch.int64, p.device)
+    start = 0
+    for request, request_drafts in zip(requests, drafts):
+        count, probs = len(request_drafts), draft_probs(request)
         if probs is None:  # a guess copied from the text: all mass on it
-            q[index[row : row + num_drafts], ids[row : row + num_drafts]] = 1.0
+            q[index[start : start + count], ids[start : start + count]] = 1.0
         else:
-            q[index[row : row + num_drafts]] = probs.to(q.dtype)
-        row += num_drafts
+            q[index[start : start + count]] = probs.to(q.dtype)
+        start += count
     residual = (p - q).clamp_(min=0.0)
     # p == q leaves no residual, and then rejection never happens; keep the row drawable.
-    empty = residual.sum(dim=-1) <= 0
-    residual[empty] = p[empty]
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
     tokens = draw(residual, rows)
     # Accept draft x with probability min(1, p(x) / q(x)): u < p(x) / q(x), u ~ U[0, 1).
     u = uniform_noise([rows[i] for i in checked_rows], p.device)
     accepted = u * q[index, ids] < p[index, ids]
     host = torch.cat([tokens, accepted.long()]).tolist()  # one device-to-host copy
     accepted_by_row = iter(host[len(rows) :])
-    flags = [None if d is None else bool(next(accepted_by_row)) for d in drafts]
-    return _new_tokens(requests, flags, host[: len(rows)])
+    flags = [None if d is None else bool(next(accepted_by_row)) for d in by_row]
+    return _new_tokens(drafts, flags, host[: len(rows)])
 
 
-def _drafts_by_row(requests: Sequence[Request]) -> list[int | None]:
+def _by_row(drafts: Sequence[list[int]]) -> list[int | None]:
     """Row by row, the draft that row's logits check (None on each block's last row)."""
-    return [token for r in requests for token in (*r.proposed_token_ids, None)]
+    return [token for request_drafts in drafts for token in (*request_drafts, None)]
 
 
 def _new_tokens(
-    requests: Sequence[Request], accepted: list[bool | None], tokens: list[int]
+    drafts: Sequence[list[int]], accepted: list[bool | None], tokens: list[int]
 ) -> list[list[int]]:
     """Per request: its drafts up to the first one not accepted, then the token chosen on
     that row (`tokens`: the target's choice at every row)."""
     new_tokens, row = [], 0
-    for request in requests:
-        drafts = request.proposed_token_ids
+    for request_drafts in drafts:
         num_accepted = 0
-        while num_accepted < len(drafts) and accepted[row + num_accepted]:
+        while num_accepted < len(request_drafts) and accepted[row + num_accepted]:
             num_accepted += 1
-        new_tokens.append(drafts[:num_accepted] + [tokens[row + num_accepted]])
-        row += 1 + len(drafts)
+        new_tokens.append(request_drafts[:num_accepted] + [tokens[row + num_accepted]])
+        row += 1 + len(request_drafts)
     return new_tokens

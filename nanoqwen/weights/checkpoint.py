@@ -20,9 +20,9 @@ from nanoqwen.weights.formats import (
     GGUF_GROUP_SIZE,
     PackedWeights,
     WeightQuantization,
+    is_gguf_file,
     quantization_for_bits,
 )
-from nanoqwen.weights.gguf import is_gguf_file, read_gguf_config
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ def open_checkpoint(model: str) -> Checkpoint:
 def read_checkpoint(path: str) -> Checkpoint:
     """The config of a local checkpoint directory or GGUF file."""
     if is_gguf_file(path):
+        from nanoqwen.weights.gguf import read_gguf_config
+
         hf, bits = read_gguf_config(path)
         return Checkpoint(
             path, ModelConfig.from_hf(hf), quantization=quantization_for_bits(bits, GGUF_GROUP_SIZE)

@@ -8,10 +8,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def is_gguf_file(path: str) -> bool:
+    """Is `path` a llama.cpp GGUF file (which holds config, tokenizer and weights in one)?"""
+    return path.endswith(".gguf") and os.path.isfile(path)
+
 
 # GGML's 4- and 5-bit types give every 32 weights (a block or sub-block) their own scale.
 GGUF_GROUP_SIZE = 32

@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from nanoqwen.weights.formats import FourBitCodes
+from nanoqwen.weights.formats import FourBitCodes, is_gguf_file
 
 # The 4-bit types, by where a block's codes start and how many bytes a run of them takes.
 FOUR_BIT_TYPES = {
@@ -47,10 +47,6 @@ ARCHITECTURES = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, "Qwen2ForCausalLM"),
     "qwen3": (gguf.MODEL_ARCH.QWEN3, "Qwen3ForCausalLM"),
 }
-
-
-def is_gguf_file(path: str) -> bool:
-    return path.endswith(".gguf") and os.path.isfile(path)
 
 
 def from_pretrained_arguments(path: str) -> tuple[str, dict[str, str]]:

@@ -1,4 +1,4 @@
-"""Stream a checkpoint's weights into the fused model.
+"""Stream a checkpoint's weights into the fused model, then keep them in the form asked for.
 
 A checkpoint (`checkpoint.py`) is a directory with `config.json`, tokenizer files and one
 or more `.safetensors` files (several "shards" plus a `model.safetensors.index.json` for
@@ -8,24 +8,23 @@ Loading reads one tensor at a time, so peak memory is the model plus one tensor,
 maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
 row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
-don't know, or one of the wrong shape is an error naming that weight.
+don't know, or one of the wrong shape is an error naming that weight. Plain safetensors
+tensors are handed over unread (`get_slice`): each parameter's loader (`model/layers.py`)
+indexes the part it keeps, so a model split across ranks never holds a full weight it does
+not keep.
 
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
-dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers
-unpacked (`gptq_awq.py`). Once the model is full, `quantization.py` can store its linear
-weights as int8 or int4 again, with torch's and torchao's kernels for them; on a CPU, a
-GGUF file's 4-bit tensors are read a second time for their own codes, which int4 keeps.
-A bf16 model left unquantized on a CPU with bf16 arithmetic has its linear weights
-reordered once into oneDNN's blocked layout instead (`model/packed.py`).
-
-Plain safetensors tensors are handed over unread (`get_slice`): each parameter's loader
-(`model/layers.py`) indexes the part it keeps, and safetensors copies just those rows or
-columns out of the mapped file, so a model split across ranks never holds a full weight
-it does not keep.
+dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
+(`gptq_awq.py`). Once the model is full, one *weight form* may convert its linear layers
+(`WEIGHT_FORMS`, a table, each form in its own module, imported only when used): int8 or
+int4 codes with their kernels (`quantization.py`), a GGUF file's own 4-bit codes on a CPU,
+or, for a bf16 model on a CPU with bf16 arithmetic, oneDNN's prepacked layout
+(`model/packed.py`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections import defaultdict
@@ -36,16 +35,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanoqwen.config import cpu_has_native_bf16
 from nanoqwen.model.config import ModelConfig
-from nanoqwen.model.layers import ShapeMismatch, TensorSlice, load_whole
-from nanoqwen.model.packed import pack_linear_weights, packs_linear_weights
-from nanoqwen.model.qwen import QwenForCausalLM
-from nanoqwen.model.rotary import RotaryEmbedding
+from nanoqwen.model.loading import ShapeMismatch, TensorSlice, load_whole
+from nanoqwen.model.qwen import QwenForCausalLM, rotary_embedding
 from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.formats import FourBitCodes, PackedWeights, WeightQuantization
-from nanoqwen.weights.gguf import iter_gguf_four_bit_codes, iter_gguf_tensors
-from nanoqwen.weights.gptq_awq import unpack_checkpoint
-from nanoqwen.weights.quantization import keep_four_bit_codes, quantize_linears
 
 Loader = Callable[[torch.Tensor, TensorSlice, int], torch.Tensor]
 # transformers name → (our fused parameter, index of its block).
@@ -55,6 +50,14 @@ FUSED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+# The forms linear weights may be kept in after loading: each converts a loaded model in
+# place, `convert(model, checkpoint, params, scheme)`, from a module imported only when used.
+WEIGHT_FORMS = {
+    "int8": "nanoqwen.weights.quantization:keep_quantized",
+    "int4": "nanoqwen.weights.quantization:keep_quantized",
+    "gguf_codes": "nanoqwen.weights.quantization:keep_gguf_codes",
+    "onednn_packed": "nanoqwen.model.packed:pack_linear_weights",
 }
 
 
@@ -77,14 +80,10 @@ def load_model(
         model = QwenForCausalLM(config)
     model.to_empty(device=device)
     model.tie_weights()  # allocation gave the tied pair two separate tensors
-    model.rotary = RotaryEmbedding(config).to(device)  # computed, not loaded
+    model.rotary = rotary_embedding(config).to(device)  # computed, not loaded
     params = parameter_loaders(model)
     filled: dict[str, set[int]] = {name: set() for name in params}
-    if checkpoint.is_gguf:
-        sources = iter_gguf_tensors(path, checkpoint_names(params), config.num_layers)
-    else:
-        sources = iter_checkpoint(path, checkpoint.packed)
-    for name, source in sources:
+    for name, source in checkpoint_tensors(checkpoint, params):
         target, block = map_name(name, config)
         if target is None or (target not in params and is_unused_zero_bias(name, source, checkpoint)):
             continue
@@ -100,14 +99,50 @@ def load_model(
         if len(filled[name]) < num_blocks:
             raise ValueError(f"missing weight {name!r} in checkpoint {path}")
     scheme = runtime_quantization(quantization, checkpoint, device)
-    if scheme is not None and keeps_file_codes(scheme, checkpoint, device):
-        keep_four_bit_codes(model, four_bit_linears(checkpoint, params))
-        scheme = WeightQuantization("int8")  # for every other linear layer, the lm_head too
-    if scheme is not None:
-        quantize_linears(model, scheme)
-    elif packs_linear_weights(dtype, device):
-        pack_linear_weights(model)
+    form = weight_form(scheme, checkpoint, dtype, device)
+    if form is not None:
+        module, function = WEIGHT_FORMS[form].split(":")
+        getattr(importlib.import_module(module), function)(model, checkpoint, params, scheme)
     return model.eval()
+
+
+def checkpoint_tensors(
+    checkpoint: Checkpoint, params: dict[str, object]
+) -> Iterator[tuple[str, TensorSlice]]:
+    """The checkpoint's tensors by name, each read as its format stores it (a sparse model's
+    stacked experts as one view per expert, `model/moe.py`'s `split_expert_stacks`)."""
+    config = checkpoint.model_config
+    if checkpoint.is_gguf:
+        from nanoqwen.weights.gguf import iter_gguf_tensors
+
+        tensors = iter_gguf_tensors(checkpoint.path, checkpoint_names(params), config.num_layers)
+    else:
+        tensors = iter_checkpoint(checkpoint.path, checkpoint.packed)
+    if config.moe is None:
+        return tensors
+    from nanoqwen.model.moe import split_expert_stacks
+
+    return (piece for name, source in tensors
+            for piece in split_expert_stacks(name, source, config.moe))
+
+
+def weight_form(
+    scheme: WeightQuantization | None, checkpoint: Checkpoint, dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
+    """Which `WEIGHT_FORMS` entry the loaded linear weights take (None: they stay as loaded).
+
+    int4 of a GGUF file on a CPU keeps the file's own 4-bit codes: the tensors stored in
+    Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, the others int8 rows, which hold
+    them more closely than 4 bits could. Elsewhere int4 re-rounds the weights onto
+    torchao's grid. A bf16 model on a CPU that multiplies bf16 in hardware is prepacked.
+    """
+    if scheme is not None:
+        file_codes = scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
+        return "gguf_codes" if file_codes else scheme.mode
+    packs = (device.type == "cpu" and dtype == torch.bfloat16
+             and torch.backends.mkldnn.is_available() and cpu_has_native_bf16())
+    return "onednn_packed" if packs else None
 
 
 def parameter_loaders(model: nn.Module) -> dict[str, tuple[torch.Tensor, Loader, int]]:
@@ -141,21 +176,13 @@ def runtime_quantization(
     return WeightQuantization(quantization)
 
 
-def keeps_file_codes(
-    scheme: WeightQuantization, checkpoint: Checkpoint, device: torch.device
-) -> bool:
-    """Does int4 keep a GGUF file's own 4-bit codes? On a CPU it does: the tensors stored
-    in Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, and the others (Q5_K, Q6_K,
-    Q8_0, ... whose codes do not fit 4 bits) int8 rows, which hold them more closely than
-    4 bits could. Elsewhere int4 re-rounds the weights onto torchao's grid."""
-    return scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
-
-
 def four_bit_linears(
     checkpoint: Checkpoint, params: dict[str, tuple[torch.Tensor, Loader, int]]
 ) -> Iterator[tuple[str, FourBitCodes]]:
     """Each layer whose checkpoint weights are all stored in a 4-bit type, by module name,
     with their codes stacked as the fused weight stacks them (q, k, v; gate, up)."""
+    from nanoqwen.weights.gguf import iter_gguf_four_bit_codes
+
     config = checkpoint.model_config
     parts: dict[str, dict[int, FourBitCodes]] = defaultdict(dict)
     names = checkpoint_names(params)
@@ -202,6 +229,8 @@ def iter_checkpoint(
         if packed is None:  # lazily: a split parameter reads only its slice
             yield from ((name, shard.get_slice(name)) for name, shard in shard_of.items())
         else:
+            from nanoqwen.weights.gptq_awq import unpack_checkpoint
+
             yield from unpack_checkpoint(shard_of, lambda name: shard_of[name].get_tensor(name), packed)
 
 
@@ -221,6 +250,14 @@ def map_name(name: str, config: ModelConfig) -> tuple[str | None, int]:
     """transformers' parameter name → (our parameter name or None to skip, block index)."""
     if "rotary_emb" in name or (name == "lm_head.weight" and config.tie_word_embeddings):
         return None, 0  # computed buffers, or a copy of the embedding we already tie to
+    if name.startswith("mtp."):
+        return None, 0  # Qwen3-Next's multi-token-prediction head, which nothing here runs
+    if config.moe is not None:
+        from nanoqwen.model.moe import moe_checkpoint_name
+
+        expert = moe_checkpoint_name(name, config.moe)
+        if expert is not None:
+            return expert
     for part, (_, block) in FUSED.items():
         if f".{part}." in name:
             return fused_name(name), block

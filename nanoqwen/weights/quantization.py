@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, FourBitCodes, WeightQuantization
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,24 @@ TORCHAO_IMPORT_NOISE = {
     "torchao": re.compile(r"^Failed to load \S*_C_\w*[.\w-]*\.so\b"),
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported"),
 }
+
+
+def keep_quantized(
+    model: nn.Module, checkpoint: object, params: object, scheme: WeightQuantization
+) -> None:
+    """The loader's "int8" and "int4" weight forms: `quantize_linears`."""
+    quantize_linears(model, scheme)
+
+
+def keep_gguf_codes(
+    model: nn.Module, checkpoint: Checkpoint, params: dict[str, Any], scheme: WeightQuantization
+) -> None:
+    """The loader's "gguf_codes" form: a GGUF file's 4-bit tensors as `Int4Linear`s of its
+    own codes, and every other linear layer, the lm_head too, as int8."""
+    from nanoqwen.weights.loader import four_bit_linears
+
+    keep_four_bit_codes(model, four_bit_linears(checkpoint, params))
+    quantize_linears(model, WeightQuantization("int8"))
 
 
 def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
