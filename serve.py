@@ -2,8 +2,9 @@
 
     python serve.py --model Qwen/Qwen3-0.6B --port 8000
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), and GET / (a chat page). Ctrl-C (SIGINT) or SIGTERM stops it
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses,
+POST /v1/embeddings, GET /v1/models, GET /health, GET /metrics (Prometheus), and GET / (a
+chat page). Ctrl-C (SIGINT) or SIGTERM stops it
 within seconds: requests in flight are aborted and answered before the process exits.
 """
 
@@ -39,7 +40,8 @@ logger = logging.getLogger("nanoqwen.serve")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option(
     "--api-key", envvar="NANOQWEN_API_KEY", default=None,
-    help="Require 'Authorization: Bearer KEY' on /v1/* routes (also read from NANOQWEN_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' on every route but /health and the chat page "
+    "(also read from NANOQWEN_API_KEY).",
 )
 @click.option(
     "--max-queue", default=DEFAULT_MAX_QUEUE, type=click.IntRange(min=0),

@@ -285,7 +285,10 @@ class LLMEngine:
         delta += request.detokenizer.flush()
         del self.requests[request.request_id]
         self.num_finished[reason] += 1
-        return self._output(request, delta, new_token_ids or [])
+        output = self._output(request, delta, new_token_ids or [])
+        if reason == "stop" and request.num_output_tokens:  # a stop string, else the last token
+            output.stop_reason = request.detokenizer.stop_reason or request.output_token_ids[-1]
+        return output
 
     def progress(self, request_id: str) -> RequestOutput:
         """An unfinished request's output so far, with nothing new in its deltas."""

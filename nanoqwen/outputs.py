@@ -40,6 +40,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None  # an embedding request's vector (`sampling/pooling.py`)
+    # What ended a request that finished "stop": the stop string, or the stop token's id.
+    stop_reason: str | int | None = None
 
 
 class StepError(RuntimeError):

@@ -1,4 +1,6 @@
-"""Session-wide fixtures: tiny random Qwen2 and Qwen3 checkpoints, built once per run.
+"""Shared fixtures: tiny random Qwen2 and Qwen3 checkpoints, built once per run, and a
+server on the Qwen3 one with an openai client, started once per test module that asks
+(a module that needs other server options defines its own `server`).
 
 The tests compare against transformers in float32, the CPU's default dtype unless the CPU
 multiplies bfloat16 in hardware. Whatever CPU runs them, they run torch's AVX2 kernels
@@ -10,8 +12,13 @@ import os
 
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
-import pytest  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
+import openai  # noqa: E402
+import pytest  # noqa: E402
+from server_helpers import client_for, running_server  # noqa: E402
+
+from nanoqwen.server import OpenAIServer  # noqa: E402
 from tools.checkpoints import (  # noqa: E402
     build_qwen2,
     build_qwen2_moe,
@@ -66,3 +73,15 @@ class _LazyCheckpoints(dict):
     def __missing__(self, kind: str) -> str:
         self[kind] = NEWER_KINDS[kind](self.factory.mktemp(kind))
         return self[kind]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
+    with running_server(qwen3_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
+    with client_for(server) as client:
+        yield client

@@ -165,9 +165,9 @@ def split_response(raw: bytes) -> tuple[int, bytes]:
 
 
 def sse_data(body: bytes) -> list[str]:
-    """The `data:` payloads of an event stream, comments skipped."""
-    events = body.decode().split("\n\n")
-    return [event.removeprefix("data: ") for event in events if event.startswith("data: ")]
+    """The `data:` payloads of an event stream, comments and event names skipped."""
+    lines = body.decode().splitlines()
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
 
 
 def send_slowly(

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Literal
 
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_helpers import MODEL, assert_error_shape, call, client_for, running_server
+from server_helpers import MODEL, assert_error_shape, call
 
 from nanoqwen import LLM, SamplingParams, StructuredOutput
 from nanoqwen.server import OpenAIServer
@@ -131,18 +130,6 @@ def test_constrained_requests_are_not_speculated(qwen3_dir: str, llm: LLM) -> No
 
 
 # ---------------------------------------------------------------------------- the server
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
-    with client_for(server) as client:
-        yield client
-
-
 def test_response_format_json_schema_streamed_or_not(client: openai.OpenAI) -> None:
     response_format = {"type": "json_schema",
                        "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}

@@ -9,11 +9,11 @@ parses), and "required" / named choices force a call through the grammar engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL, assert_error_shape, call, client_for, running_server
+from server_helpers import MODEL, assert_error_shape, call
 
 from nanoqwen import LLM
 from nanoqwen.server import OpenAIServer
@@ -70,18 +70,6 @@ def test_streamed_parser_agrees_with_the_whole_one(piece: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the server
-@pytest.fixture(scope="module")
-def server(qwen3_dir: str) -> Iterator[OpenAIServer]:
-    with running_server(qwen3_dir) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server: OpenAIServer) -> Iterator[openai.OpenAI]:
-    with client_for(server) as client:
-        yield client
-
-
 def test_tools_and_call_history_reach_the_template(server: OpenAIServer, qwen3_dir: str) -> None:
     history = [
         {"role": "system", "content": "Be brief."}, *ASK,
@@ -172,7 +160,7 @@ BAD_TOOLS = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
@@ -195,3 +183,74 @@ def test_bad_tool_history_is_refused(server: OpenAIServer) -> None:
     status, _, body = call(server, "POST", "/v1/chat/completions", {"messages": history})
     assert status == 400
     assert body["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+# ---------------------------------------------------------------------------- loose schemas
+# Types as hand-written tools spell them; JSON Schema says integer, number, string, null.
+# Strings and lists are bounded: a random model would never close them by itself.
+LOOSE = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object",
+    "properties": {"hour": {"type": "int"}, "volume": {"type": "float"},
+                   "label": {"type": ["str", "None"], "maxLength": 8},
+                   "days": {"type": "list", "items": {"type": "String", "enum": ["mon", "tue"]},
+                            "maxItems": 3}},
+    "required": ["hour", "volume", "label", "days"]}}}
+STRICT = {"type": "object",
+          "properties": {"hour": {"type": "integer"}, "volume": {"type": "number"},
+                         "label": {"type": ["string", "null"]},
+                         "days": {"type": "array", "items": {"type": "string"}}},
+          "required": ["hour", "volume", "label", "days"], "additionalProperties": False}
+# A parameter of any value: no type, or a type that says so.
+ANYTHING = {"type": "function", "function": {"name": "note", "parameters": {
+    "properties": {"what": {"description": "anything"}, "more": {"type": "any"}}}}}
+CHOICES = {"auto": "auto", "required": "required",
+           "named": {"type": "function", "function": {"name": "set_alarm"}}}
+
+
+@pytest.mark.parametrize("choice", CHOICES.values(), ids=CHOICES.keys())
+def test_tool_schemas_as_people_write_them_are_served(client: openai.OpenAI,
+                                                      choice: object) -> None:
+    """The same loosely written tools are served under every tool_choice."""
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[LOOSE, ANYTHING],
+                                           tool_choice=choice, max_tokens=8)
+    assert reply.choices[0].finish_reason in ("length", "tool_calls")
+
+
+@pytest.mark.parametrize("choice", ["required", CHOICES["named"]], ids=["required", "named"])
+def test_forced_calls_to_loose_schemas_are_well_formed(client: openai.OpenAI,
+                                                       choice: object) -> None:
+    """A model that would never call a tool writes a call that parses, whose arguments
+    validate against the schema the loose one means."""
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[LOOSE], tool_choice=choice, temperature=0.7,
+            seed=seed, parallel_tool_calls=False).choices[0]
+        assert reply.finish_reason == "tool_calls", reply
+        (called,) = reply.message.tool_calls
+        assert called.function.name == "set_alarm"
+        jsonschema.validate(json.loads(called.function.arguments), STRICT)
+
+
+@pytest.mark.parametrize("choice", CHOICES.values(), ids=CHOICES.keys())
+def test_an_unknown_type_names_the_function_and_the_parameter(server: OpenAIServer,
+                                                              choice: object) -> None:
+    alarm = json.loads(json.dumps(LOOSE))
+    alarm["function"]["parameters"]["properties"]["days"]["items"] = {"type": "foo"}
+    status, _, body = call(server, "POST", "/v1/chat/completions",
+                           {"messages": ASK, "tools": [WEATHER, alarm], "tool_choice": choice})
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "tools[1].function.parameters"
+    assert "'set_alarm'" in error["message"] and "'days[]'" in error["message"]
+    assert "'foo'" in error["message"] and "structural_tag" not in error["message"]
+
+
+def test_a_schema_the_grammar_refuses_names_its_function(server: OpenAIServer) -> None:
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+    status, _, body = call(server, "POST", "/v1/chat/completions",
+                           {"messages": ASK, "tools": [WEATHER, broken],
+                            "tool_choice": "required"})
+    assert status == 400, body
+    assert body["error"]["param"] == "tools[1].function.parameters"
+    assert "'broken'" in body["error"]["message"]

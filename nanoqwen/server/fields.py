@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanoqwen.server.protocol import bad_request
+from nanoqwen.server.responses_input import SAMPLING as RESPONSES_SAMPLING
 
 logger = logging.getLogger("nanoqwen.server")
 
@@ -29,23 +30,31 @@ _SAMPLING = {
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority",
     "response_format", "structured_outputs",
-    # vLLM's names before structured_outputs, still sent by older clients.
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    # vLLM's names before structured_outputs, still sent by older clients; SGLang's.
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf",
+    "prompt_logprobs",  # vLLM's scores of the prompt's tokens
 }
 SUPPORTED = {
     "chat": _SAMPLING | {
         "messages", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "chat_template_kwargs", "continue_final_message",
-        "add_generation_prompt",
+        "add_generation_prompt", "echo",
     },
     "completions": _SAMPLING | {"prompt", "echo"},
     "embeddings": {"model", "input", "encoding_format"},
+    "responses": {
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+        "tools", "tool_choice", "parallel_tool_calls", "text", "include", "top_logprobs",
+        "chat_template_kwargs", *RESPONSES_SAMPLING,
+    },
 }
+_CHAT_LABELS = {"user", "metadata", "safety_identifier", "prompt_cache_key",
+                "prompt_cache_retention", "service_tier"}
 LABELS = {
-    "chat": {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-             "service_tier"},
+    "chat": _CHAT_LABELS,
     "completions": {"user"},
     "embeddings": {"user"},
+    "responses": _CHAT_LABELS,
 }
 Honoured = Callable[[Any, dict[str, Any]], bool]  # (value, body) -> does it change nothing?
 _NEVER: Honoured = lambda value, body: False  # noqa: E731
@@ -64,8 +73,28 @@ UNSUPPORTED: dict[str, dict[str, Honoured]] = {
         "best_of": _BEST_OF_N,
     },
     "embeddings": {"dimensions": _NEVER},
+    "responses": {
+        "previous_response_id": _NEVER, "conversation": _NEVER, "prompt": _NEVER,
+        "reasoning": _NEVER, "max_tool_calls": _NEVER, "context_management": _NEVER,
+        "store": lambda value, body: value is False,
+        "background": lambda value, body: value is False,
+        "truncation": lambda value, body: value == "disabled",
+        # Padding against length side channels; a server that never pads answers false only.
+        "stream_options": lambda value, body: value == {} or value == {
+            "include_obfuscation": False},
+        # Chat completions' names, sent to this route by mistake.
+        "messages": _NEVER, "max_tokens": _NEVER, "max_completion_tokens": _NEVER,
+        "response_format": _NEVER, "logprobs": _NEVER,
+        "n": lambda value, body: value == 1,
+    },
 }
-_REPLACEMENTS = {"functions": "tools", "function_call": "tool_choice"}
+_STATELESS = "this server keeps no responses: send the conversation so far as input"
+_ADVICE = {"functions": "use tools", "function_call": "use tool_choice",
+           "previous_response_id": _STATELESS, "conversation": _STATELESS,
+           "store": _STATELESS, "messages": "use input", "max_tokens": "use max_output_tokens",
+           "max_completion_tokens": "use max_output_tokens",
+           "response_format": "use text.format",
+           "logprobs": "use include: ['message.output_text.logprobs'] and top_logprobs"}
 
 
 def check_fields(body: dict[str, Any], route: str) -> None:
@@ -74,8 +103,8 @@ def check_fields(body: dict[str, Any], route: str) -> None:
     for name, honoured in UNSUPPORTED[route].items():
         value = body.get(name)
         if value is not None and not honoured(value, body):
-            instead = f"; use {_REPLACEMENTS[name]}" if name in _REPLACEMENTS else ""
-            raise bad_request(f"{name} is not supported by this server{instead}", name)
+            advice = f"; {_ADVICE[name]}" if name in _ADVICE else ""
+            raise bad_request(f"{name} is not supported by this server{advice}", name)
     known = SUPPORTED[route] | LABELS[route] | set(UNSUPPORTED[route])
     unknown = sorted(name for name in body if name not in known)
     if unknown:

@@ -14,6 +14,12 @@ fields that ask for them and writes them out:
   its tokens are scored too, the first one with null (nothing predicts it). That is the
   request lm-evaluation-harness sends to score a continuation.
 
+vLLM's `prompt_logprobs: k` (both routes, not streamed) scores the prompt in vLLM's own
+shape: per prompt token, null for the first, else a map from token id to `{logprob, rank,
+decoded_token}` holding the prompt's token and the `k` likeliest (`rank` counts from 1 in
+the likeliest-first order, null for a prompt token below the `k` listed). Chat puts it
+beside the choices, completions in each choice.
+
 A token a grammar forbids has log-probability -inf, which JSON cannot spell; it is
 written as -9999.0, as vLLM does.
 """
@@ -39,7 +45,7 @@ def parse_chat_logprobs(body: dict[str, Any]) -> int | None:
     if logprobs is not None and not isinstance(logprobs, bool):
         raise bad_request("logprobs must be a boolean", "logprobs")
     if top is not None:
-        _check_count(top, "top_logprobs")
+        check_count(top, "top_logprobs")
         if not logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     return (top or 0) if logprobs else None
@@ -49,10 +55,37 @@ def parse_completion_logprobs(body: dict[str, Any]) -> tuple[int | None, bool]:
     """(alternatives per token or None, echo) of a completions request."""
     logprobs, echo = body.get("logprobs"), body.get("echo", False)
     if logprobs is not None:
-        _check_count(logprobs, "logprobs")
+        check_count(logprobs, "logprobs")
     if echo is not None and not isinstance(echo, bool):
         raise bad_request("echo must be a boolean", "echo")
     return logprobs, bool(echo)
+
+
+def parse_prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's `prompt_logprobs`: how many alternatives per prompt token; None: not asked."""
+    count = body.get("prompt_logprobs")
+    if count is None:
+        return None
+    check_count(count, "prompt_logprobs")
+    if body.get("stream"):  # the prompt is scored before the first token: nothing to stream
+        raise bad_request("prompt_logprobs cannot be combined with stream: true",
+                          "prompt_logprobs")
+    return count
+
+
+def ranked_prompt(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprobs | None] | None
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` for a prompt's scored tokens (see the module docstring)."""
+    return [entry and _ranked(tokenizer, entry) for entry in entries or []]
+
+
+def _ranked(tokenizer: Tokenizer, entry: TokenLogprobs) -> dict[str, dict[str, Any]]:
+    ranks = {token_id: rank for rank, (token_id, _) in enumerate(entry.top, start=1)}
+    listed = {entry.token_id: entry.logprob, **dict(entry.top)}
+    return {str(token_id): {"logprob": _finite(logprob), "rank": ranks.get(token_id),
+                            "decoded_token": tokenizer.token_text(token_id)}
+            for token_id, logprob in listed.items()}
 
 
 def chat_logprobs(tokenizer: Tokenizer, scored: Sequence[Scored]) -> list[dict[str, Any]]:
@@ -95,6 +128,7 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else FORBIDDEN_LOGPROB
 
 
-def _check_count(value: Any, name: str) -> None:
+def check_count(value: Any, name: str) -> None:
+    """A 400 unless `value` is a number of alternatives per token (0 to 20)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
         raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)

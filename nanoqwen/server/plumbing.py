@@ -5,11 +5,12 @@ when the connection closes). `HTTPHandler`, the base of the OpenAI routes:
 
 1. reads the request line, headers and body against one deadline (`read_timeout`, 408
    past it), so a client sending a byte a second can't hold a thread for long; the headers
-   are bounded in bytes and lines (431), and a body's length must be declared once (a
-   second, different `Content-Length` is how requests are smuggled past a proxy);
+   are bounded in bytes and lines (431) and read strictly (`headers`: one reading only,
+   so no request is smuggled past a proxy that reads it another way);
 2. checks who is calling (see below) and hands the request to `_dispatch`;
 3. writes the answer: one JSON document, or a Server-Sent Events stream
-   (`data: {chunk}\\n\\n` per event); every error is OpenAI-shaped JSON, the standard
+   (`data: {chunk}\\n\\n` per event, after an `event: name` line when the API names its
+   events); every error is OpenAI-shaped JSON, the standard
    library's own (400, 414, 431) included. A client that takes nothing from a full send
    buffer for `write_timeout` seconds counts as gone (see below);
 4. counts and logs the request once, by its real outcome: a stream that fails after its
@@ -53,8 +54,8 @@ from urllib.parse import urlsplit
 from nanoqwen.metrics import ServerMetrics
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
-from nanoqwen.server.protocol import APIError, bad_request
-from nanoqwen.server.responses import usage
+from nanoqwen.server.headers import check_header_lines, check_headers, declared_body_length
+from nanoqwen.server.protocol import APIError
 from nanoqwen.server.settings import ServerSettings
 from nanoqwen.server.sockets import (
     ClientDisconnected,
@@ -87,13 +88,24 @@ class AccessRecord:
     start: float = field(default_factory=time.perf_counter)
     status: int | None = None  # the final outcome, once decided
     samples_per_prompt: int = 1
+    prompt_lengths: list[int] = field(default_factory=list)  # tokens of each prompt submitted
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # each choice's newest output
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     outcome: str = ""
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.latest, self.samples_per_prompt)
+        """OpenAI's usage block: the prompts submitted (the `n` samples of a prompt count
+        its tokens once) and each choice's newest output."""
+        firsts = [out for i, out in self.latest.items() if i % self.samples_per_prompt == 0]
+        prompt_tokens = sum(self.prompt_lengths)
+        completion_tokens = sum(len(out.token_ids) for out in self.latest.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in firsts)},
+        }
 
     def log_line(self) -> str:
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.start:.3f}s"
@@ -119,6 +131,16 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+# A Server-Sent Event: its name (None: unnamed, a plain `message`) and its data, JSON or text.
+Event = tuple[str | None, dict[str, Any] | str]
+
+
+class EventStream(Protocol):
+    """What a stream under way says when it fails: an error in its own shape."""
+
+    def error_events(self, error: APIError) -> list[Event]: ...
 
 
 class ServerState(Protocol):
@@ -151,7 +173,7 @@ class HTTPHandler(BaseHTTPRequestHandler):
         self.command = ""  # until a request line is parsed
         self.reply_headers: dict[str, str] = {}  # sent with every answer (CORS)
         self.headers_sent = False  # a stream or an early JSON status line is under way
-        self.event_stream = False
+        self.event_stream: EventStream | None = None  # set once a stream's status line is out
         self.client_closed_sending = False  # end-of-file seen: probe by writing from now on
         self.unread_body = 0
 
@@ -215,19 +237,21 @@ class HTTPHandler(BaseHTTPRequestHandler):
             self.rfile = body
         # The query string may hold a secret (?api_key=): not even the log sees it.
         self.record.method, self.record.path = self.command, self.path.partition("?")[0]
+        check_headers(self.headers, self.request_version)
         self._check_caller()
-        self.unread_body = self._declared_body_length()
+        self.unread_body = declared_body_length(self.headers)
         return True
 
     def _read_header_lines(self) -> bytes:
         """The header lines, up to and with the blank line that ends them; a 431 for more
-        than `MAX_HEADER_BYTES` or `MAX_HEADER_LINES`."""
+        than `MAX_HEADER_BYTES` or `MAX_HEADER_LINES`, a 400 for a malformed line."""
         lines: list[bytes] = []
         size = 0
         while True:
             line = self.rfile.readline(MAX_HEADER_BYTES + 1 - size)
             lines.append(line)
             if line in END_OF_HEADERS:
+                check_header_lines(lines[:-1])
                 return b"".join(lines)
             size += len(line)
             if size > MAX_HEADER_BYTES or len(lines) > MAX_HEADER_LINES:
@@ -248,19 +272,6 @@ class HTTPHandler(BaseHTTPRequestHandler):
                            "(the server's allowed origins can list it)", code="origin_not_allowed")
         self.reply_headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
 
-    def _declared_body_length(self) -> int:
-        if "Transfer-Encoding" in self.headers:  # a proxy may frame the body by it, not by length
-            raise APIError(501, "Transfer-Encoding is not supported; send a Content-Length",
-                           code="transfer_encoding_not_supported")
-        values = {value.strip() for value in self.headers.get_all("Content-Length", ["0"])}
-        if len(values) > 1:  # repeats of one value are harmless (RFC 9110, section 8.6)
-            raise bad_request(f"the request has conflicting Content-Length headers: "
-                              f"{', '.join(sorted(values))}")
-        (value,) = values
-        if not (value.isascii() and value.isdigit()):
-            raise bad_request(f"Content-Length must be a non-negative integer, got {value!r}")
-        return int(value)
-
     def _read_json(self) -> dict[str, Any]:
         content_type = self.headers.get("Content-Type")
         if content_type is None or self.headers.get_content_type() != "application/json":
@@ -270,8 +281,8 @@ class HTTPHandler(BaseHTTPRequestHandler):
             raise APIError(411, "a Content-Length header is required", code="length_required")
         length, limit = self.unread_body, self.server.settings.max_body_bytes
         if length > limit:
-            raise APIError(413, f"the request body has {length} bytes; the limit is {limit}",
-                           code="request_too_large")
+            raise APIError(413, f"Payload Too Large: the request body has {length} bytes; "
+                           f"the limit is {limit}", code="request_too_large")
         try:
             raw = self.rfile.read(length)
         except TimeoutError:
@@ -317,7 +328,7 @@ class HTTPHandler(BaseHTTPRequestHandler):
             if not self.headers_sent:  # commit to 200 now, to have something to write
                 self._send_head(200, "application/json", {})
             with client_writes():
-                self.wfile.write(b": ping\n\n" if self.event_stream else b" ")
+                self.wfile.write(b": ping\n\n" if self.event_stream is not None else b" ")
 
     # ------------------------------------------------------------ writing
     def _decide_status(self, status: int) -> None:
@@ -354,17 +365,20 @@ class HTTPHandler(BaseHTTPRequestHandler):
         body = json.dumps(payload, ensure_ascii=False).encode()
         self._send_bytes(status, body, "application/json", headers)
 
-    def _send_event(self, payload: dict[str, Any] | str) -> None:
+    def _send_event(self, event: Event) -> None:
+        name, payload = event
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        named = "" if name is None else f"event: {name}\n"
         with client_writes():
-            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.write(f"{named}data: {data}\n\n".encode())
 
     def _send_error(self, error: APIError) -> None:
         self.record.outcome = f"error: {error.message}"
         try:
-            if self.event_stream:  # the status line is long gone: report it in the stream
+            if self.event_stream is not None:  # the status line is long gone: tell the stream
                 self._decide_status(error.status)
-                self._send_event(error.body())
+                for event in self.event_stream.error_events(error):
+                    self._send_event(event)
             else:
                 self._send_json(error.status, error.body(), error.headers)
         except ClientDisconnected:

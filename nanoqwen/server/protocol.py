@@ -35,6 +35,10 @@ SAMPLING_FIELDS = (
 # penalty beyond these bounds (SGLang's) divides float32 logits towards overflow.
 SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "repetition_penalty": (0.01, 2.0)}
 INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed is an int64
+# The names of the length limit a route takes, the first one given wins: chat's
+# max_completion_tokens is the newer name of max_tokens (the Responses API says
+# max_output_tokens).
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens")
 # Which request fields a route accepts, and what becomes of the others: `fields.py`.
 
 
@@ -117,30 +121,34 @@ class GenerationOptions:
 
     params: list[SamplingParams]  # one per sample of a prompt (`n` of them)
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a stream ends with a chunk that holds the usage
+    continuous_usage: bool = False  # and every chunk holds the usage so far (vLLM's)
     priority: int = 0  # lower is served sooner (vLLM's field), under priority scheduling
     max_tokens: tuple[str, int] | None = None  # (field, value) when the request set it
 
 
 def parse_generation_options(
-    body: dict[str, Any], default_max_tokens: int, engine: LLMEngine, **sampling: Any
+    body: dict[str, Any], default_max_tokens: int, engine: LLMEngine,
+    max_tokens_fields: tuple[str, ...] = MAX_TOKENS_FIELDS, **sampling: Any
 ) -> GenerationOptions:
     """What the request asks for besides its prompt, each field checked. `sampling` holds
-    `SamplingParams` fields the route worked out itself (logprobs, a grammar)."""
+    `SamplingParams` fields the route worked out itself (logprobs, a grammar);
+    `max_tokens_fields`, the route's names for the length limit."""
     stream = checked_field(body, "stream", bool, "a boolean", False)
     stream_options = checked_field(body, "stream_options", dict, "an object", {})
     if body.get("stream_options") is not None and not stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    include_usage = checked_field(
-        stream_options, "include_usage", bool, "a boolean", False, "stream_options.include_usage"
+    include_usage, continuous_usage = (
+        checked_field(stream_options, name, bool, "a boolean", False, f"stream_options.{name}")
+        for name in ("include_usage", "continuous_usage_stats")
     )
     n = checked_field(body, "n", int, "an integer", 1)
     priority = checked_field(body, "priority", int, "an integer", 0)  # the engine checks the policy
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
-    # max_completion_tokens is the newer name of max_tokens.
-    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    max_tokens_field = next(
+        (name for name in max_tokens_fields if body.get(name) is not None), max_tokens_fields[-1]
+    )
     max_tokens = body.get(max_tokens_field)
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     # What the request leaves out, the engine fills from the model's recommended settings.
@@ -155,11 +163,13 @@ def parse_generation_options(
         samples = [params if params.seed is None else replace(params, seed=params.seed + i)
                    for i in range(n)]
     except ValueError as error:
-        raise bad_request(str(error), named_parameter(str(error))) from error
+        param = named_parameter(str(error))
+        raise bad_request(str(error), max_tokens_field if param == "max_tokens" else param) \
+            from error
     # Compiled here, on the handler thread: the engine thread finds it in the cache.
     compile_stop_strings(tuple(params.stop))
     asked = None if max_tokens is None else (max_tokens_field, params.max_tokens)
-    return GenerationOptions(samples, stream, include_usage, priority, asked)
+    return GenerationOptions(samples, stream, include_usage, continuous_usage, priority, asked)
 
 
 def parse_logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, Any] | None:

@@ -8,15 +8,20 @@ which `CompletionsAPI` and `ChatAPI` describe. One of them is made per request, 
 the request asked for beyond text (logprobs, echo, tool calls), and keeps each choice's
 stream position (`ChoiceStream`): logprobs of tokens whose text is still held back ride
 along with the next chunk that has text, and a tool call goes out once its block closes.
+Every choice says which stop string or stop token id ended it (SGLang's `matched_stop`;
+null when it ended otherwise). `Reply` is the `generation.Answer` of both routes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.server.logprobs import Scored, chat_logprobs, completion_logprobs
+from nanoqwen.server.logprobs import Scored, chat_logprobs, completion_logprobs, ranked_prompt
+from nanoqwen.server.plumbing import Event
+from nanoqwen.server.protocol import APIError
 from nanoqwen.server.tools import ToolCallStream, ToolOptions, parse_tool_calls
 from nanoqwen.text.tokenizer import Tokenizer
 
@@ -35,12 +40,14 @@ class ChoiceStream:
 class CompletionsAPI:
     """/v1/completions: each choice carries `text`, in responses and chunks alike."""
 
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, tokenizer: Tokenizer, logprobs: bool = False, echo: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, logprobs: bool = False, echo: bool = False,
+                 prompt_logprobs: bool = False) -> None:
         self.tokenizer, self.logprobs, self.echo = tokenizer, logprobs, echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field, beside the choice's logprobs
         self.streams: dict[int, ChoiceStream] = {}
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
@@ -49,7 +56,13 @@ class CompletionsAPI:
         if self.echo:
             text = self._prompt_text(output) + text
             scored = _prompt(output) + scored
-        return self._choice(index, text, scored, 0, output.finish_reason)
+        choice = self._choice(index, text, scored, 0, output)
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = ranked_prompt(self.tokenizer, output.prompt_logprobs)
+        return choice
+
+    def response_fields(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return {}
 
     def delta_choice(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
         stream = self.streams.setdefault(index, ChoiceStream())
@@ -61,7 +74,7 @@ class CompletionsAPI:
         scored = (_prompt(output) if echo else []) + generated
         stream.started = True
         stream.num_scored_sent += len(generated)
-        choice = self._choice(index, text, scored, stream.text_offset, output.finish_reason)
+        choice = self._choice(index, text, scored, stream.text_offset, output)
         stream.text_offset += len(text)
         return choice
 
@@ -69,10 +82,11 @@ class CompletionsAPI:
         return []
 
     def _choice(
-        self, index: int, text: str, scored: list[Scored], offset: int, finish_reason: str | None
+        self, index: int, text: str, scored: list[Scored], offset: int, output: RequestOutput
     ) -> dict[str, Any]:
         logprobs = completion_logprobs(self.tokenizer, scored, offset) if self.logprobs else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": output.finish_reason, "matched_stop": output.stop_reason}
 
     def _prompt_text(self, output: RequestOutput) -> str:
         return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
@@ -81,26 +95,38 @@ class CompletionsAPI:
 class ChatAPI:
     """/v1/chat/completions: a `message` per choice; a stream opens with the role, then deltas."""
 
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def __init__(
-        self, tokenizer: Tokenizer, logprobs: bool = False, tools: ToolOptions | None = None
+        self, tokenizer: Tokenizer, logprobs: bool = False, tools: ToolOptions | None = None,
+        echo: str = "", prompt_logprobs: bool = False,
     ) -> None:
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.parses_calls = tools is not None and tools.parses_calls
+        self.echo = echo  # vLLM's echo: the continued message, which the reply starts with
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field, beside the choices
         self.streams: dict[int, ChoiceStream] = {}
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         content, calls = parse_tool_calls(output.text) if self.parses_calls else (output.text, [])
+        if self.echo:
+            content = self.echo + (content or "")
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
         return {
             "index": index, "message": message, "logprobs": self._logprobs(_generated(output, 0)),
             "finish_reason": _finish_reason(output, bool(calls)),
+            "matched_stop": output.stop_reason,
         }
+
+    def response_fields(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """vLLM puts a chat's prompt logprobs beside its choices: the choices share a prompt."""
+        if not self.prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": ranked_prompt(self.tokenizer, outputs[0].prompt_logprobs)}
 
     def delta_choice(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
         stream = self.streams.setdefault(index, ChoiceStream())
@@ -118,10 +144,11 @@ class ChatAPI:
         scored = _generated(output, stream.num_scored_sent)
         stream.num_scored_sent += len(scored)
         return {"index": index, "delta": delta, "logprobs": self._logprobs(scored),
-                "finish_reason": _finish_reason(output, stream.called)}
+                "finish_reason": _finish_reason(output, stream.called),
+                "matched_stop": output.stop_reason}
 
     def opening_choices(self, count: int) -> list[dict[str, Any]]:
-        opening = {"role": "assistant", "content": ""}
+        opening = {"role": "assistant", "content": self.echo}
         return [{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
                 for i in range(count)]
 
@@ -153,44 +180,44 @@ def _finish_reason(output: RequestOutput, called: bool) -> str | None:
 
 @dataclass(frozen=True)
 class Reply:
-    """Builds one request's response objects: the whole response, or its stream chunks."""
+    """One chat or completions request's answer: the whole response, or its stream."""
 
     api: API
     response_id: str
     model: str
     created: int
-    include_usage: bool
+    usage: Callable[[], dict[str, Any]]  # the request's usage so far
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far in every chunk
 
-    def response(self, outputs: list[RequestOutput], usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [self.api.choice(i, out) for i, out in enumerate(outputs)]
-        return self._envelope(self.api.object, choices, usage=usage)
+        return self._envelope(self.api.object, choices, usage=self.usage(),
+                              **self.api.response_fields(outputs))
 
-    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def opening_events(self, count: int) -> list[Event]:
+        # One per choice, as OpenAI sends them.
+        return [(None, self._chunk([opening])) for opening in self.api.opening_choices(count)]
+
+    def output_events(self, index: int, output: RequestOutput) -> list[Event]:
+        choice = self.api.delta_choice(index, output)
+        return [] if choice is None else [(None, self._chunk([choice]))]
+
+    def closing_events(self) -> list[Event]:
+        last = self._envelope(self.api.chunk_object, [], usage=self.usage())
+        return [*([(None, last)] if self.include_usage else []), (None, "[DONE]")]
+
+    def error_events(self, error: APIError) -> list[Event]:
+        return [(None, error.body())]
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         # With include_usage OpenAI sends "usage": null in every chunk but the last.
-        return self._envelope(
-            self.api.chunk_object, choices, **({"usage": None} if self.include_usage else {})
-        )
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope(self.api.chunk_object, [], usage=usage)
+        usage = {"usage": self.usage()} if self.continuous_usage else \
+            {"usage": None} if self.include_usage else {}
+        return self._envelope(self.api.chunk_object, choices, **usage)
 
     def _envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         return {
             "id": self.response_id, "object": object_name, "created": self.created,
             "model": self.model, "choices": choices, **extra,
         }
-
-
-def usage(latest: dict[int, RequestOutput], samples_per_prompt: int) -> dict[str, Any]:
-    """OpenAI's usage block from each choice's newest output; the `n` samples of a prompt
-    count its tokens once."""
-    firsts = [out for i, out in latest.items() if i % samples_per_prompt == 0]
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts)
-    completion_tokens = sum(len(out.token_ids) for out in latest.values())
-    cached_tokens = sum(out.num_cached_tokens for out in firsts)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }

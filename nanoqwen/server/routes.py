@@ -4,8 +4,9 @@ A completion request goes through three hands. On its handler thread, `protocol`
 every field and turns the prompt (or the chat, through the model's template) into token
 ids, holding the request's queue slots while it does (tokenizing is work too); the engine
 loop admits the sequences and streams their outputs back; and the handler shapes them
-(`responses`) into one JSON document or an SSE stream, checking between outputs that the
-client is still there and the request within its deadline.
+(`responses`, or `responses_output` for the Responses API) into one JSON document or an
+SSE stream, checking between outputs that the client is still there and the request
+within its deadline (`generation`).
 """
 
 from __future__ import annotations
@@ -13,30 +14,26 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
-from nanoqwen.engine import EncodedPrompt
 from nanoqwen.metrics import CONTENT_TYPE
-from nanoqwen.outputs import RequestOutput
-from nanoqwen.sampling.params import PoolingParams, SamplingParams
+from nanoqwen.sampling.params import PoolingParams
 from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server import page, protocol, tokenizing, tokens
-from nanoqwen.server.engine_loop import (
-    NotServing,
-    QueueFull,
-    RequestFailed,
-    Reservation,
-    Submission,
-)
 from nanoqwen.server.fields import check_fields
-from nanoqwen.server.logprobs import parse_chat_logprobs, parse_completion_logprobs
-from nanoqwen.server.plumbing import HTTPHandler
-from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request
+from nanoqwen.server.generation import Answer, GenerationHandler
+from nanoqwen.server.logprobs import (
+    parse_chat_logprobs,
+    parse_completion_logprobs,
+    parse_prompt_logprobs,
+)
+from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request, checked_field
 from nanoqwen.server.responses import API, ChatAPI, CompletionsAPI, Reply
+from nanoqwen.server.responses_input import parse_request as parse_response_request
+from nanoqwen.server.responses_output import ID_PREFIX as RESPONSE_ID_PREFIX
+from nanoqwen.server.responses_output import ResponsesReply
 from nanoqwen.server.structured import (
     compile_structured_output,
     parse_structured_output,
@@ -44,24 +41,13 @@ from nanoqwen.server.structured import (
 from nanoqwen.server.tools import ToolOptions, parse_tools, tool_fields
 
 MODEL_PATH = "/v1/models/"  # GET /v1/models/{id}: the id may hold slashes (a hub id)
-POLL_SECONDS = 0.25  # how often a handler waiting for tokens checks its client and deadline
-RETRY_AFTER_SECONDS = 1
+# What a server with an API key answers without it: the health probe, and the chat page's
+# files (the page asks its user for the key and sends it with its API calls).
+OPEN_PATHS = frozenset({*page.PAGE_FILES, "/favicon.ico", "/health"})
 
 
-class OpenAIHandler(HTTPHandler):
-    """The routes of an OpenAI-compatible server, and the generation flow behind them."""
-
-    def _as_api_error(self, error: Exception) -> APIError:
-        if isinstance(error, QueueFull):
-            return APIError(
-                429, "too many requests are queued; retry later", "rate_limit_error",
-                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
-        if isinstance(error, NotServing):
-            return protocol.not_serving(str(error))
-        if isinstance(error, RequestFailed):  # the engine loop has logged it
-            return protocol.internal_error(self.record.request_id)
-        return super()._as_api_error(error)
+class OpenAIHandler(GenerationHandler):
+    """The routes of an OpenAI-compatible server."""
 
     def _authorize(self) -> None:
         key = self.server.settings.api_key
@@ -80,6 +66,9 @@ class OpenAIHandler(HTTPHandler):
     # ------------------------------------------------------------ routes
     def _dispatch(self) -> None:
         path = self.record.path
+        # A browser's preflight never carries the key; the request it clears does.
+        if self.command != "OPTIONS" and path not in OPEN_PATHS:
+            self._authorize()
         methods = self.ROUTES.get(path)
         if methods is None and path.startswith(MODEL_PATH):
             methods = {"GET": OpenAIHandler.get_model}
@@ -96,8 +85,6 @@ class OpenAIHandler(HTTPHandler):
         if route is None:
             raise APIError(405, f"{self.command} is not allowed on {path}; use {allowed}",
                            code="method_not_allowed", headers={"Allow": allowed})
-        if path.startswith("/v1/"):
-            self._authorize()
         route(self)
 
     def page_file(self) -> None:
@@ -131,63 +118,74 @@ class OpenAIHandler(HTTPHandler):
         self._send_json(200, {"version": importlib.metadata.version("nanoqwen")})
 
     def chat_completions(self) -> None:
-        engine, body = self.server.engine, self._read_json()
-        protocol.check_model(body, self.server.settings.model_name)
-        check_fields(body, "chat")
-        messages = tokenizing.parse_messages(body, tool_fields)
+        engine, body = self.server.engine, self._read_body("chat")
         tools = parse_tools(body)
-        template = tokenizing.parse_template_options(body, messages, tools and tools.tools)
-        logprobs = parse_chat_logprobs(body)
+        messages, template = self._conversation(body, tools)
+        logprobs, prompt_logprobs = parse_chat_logprobs(body), parse_prompt_logprobs(body)
         options = protocol.parse_generation_options(
-            body, engine.max_model_len, engine, logprobs=logprobs,
-            structured_output=self._structured_output(body, tools),
+            body, engine.max_model_len, engine, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=self._structured_output(parse_structured_output(body), tools),
         )
-        with self._reserve(len(options.params)) as reservation:
-            prompt = tokenizing.render_chat(engine, messages, template)
-            prompts = tokenizing.encode_prompts(engine, [prompt], "messages")
-            tokenizing.check_context(prompts, options, engine.max_model_len)
-            api = ChatAPI(engine.tokenizer, logprobs is not None, tools)
-            self._generate(api, reservation, prompts, options)
+        echo = checked_field(body, "echo", bool, "a boolean", False)
+        last = messages[-1]  # vLLM's echo: the reply starts with the assistant's last message
+        echoed = last["content"] if echo and last["role"] == "assistant" else ""
+        api = ChatAPI(engine.tokenizer, logprobs is not None, tools, echoed,
+                      prompt_logprobs is not None)
+        self._chat(messages, template, options, self._reply(api, options))
+
+    def create_response(self) -> None:
+        """OpenAI's Responses API: a chat turn in other shapes (`responses_input`)."""
+        engine, body = self.server.engine, self._read_body("responses")
+        request = parse_response_request(body)
+        tools = parse_tools(body, flat=True)
+        messages, template = self._conversation(request.chat, tools)
+        options = protocol.parse_generation_options(
+            request.sampling, engine.max_model_len, engine, ("max_output_tokens",),
+            logprobs=request.logprobs,
+            structured_output=self._structured_output((request.text_format, "text.format"), tools),
+        )
+        answer = ResponsesReply(self._name_request(RESPONSE_ID_PREFIX),
+                                self.server.settings.model_name, int(time.time()),
+                                self.record.usage, engine.tokenizer, request, tools)
+        self._chat(messages, template, options, answer, "input")
 
     def completions(self) -> None:
-        engine, body = self.server.engine, self._read_json()
-        protocol.check_model(body, self.server.settings.model_name)
-        check_fields(body, "completions")
+        engine, body = self.server.engine, self._read_body("completions")
         prompts = tokenizing.parse_prompts(body)
         logprobs, echo = parse_completion_logprobs(body)
+        prompt_logprobs = parse_prompt_logprobs(body)
         options = protocol.parse_generation_options(
             body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine, logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None,
-            structured_output=self._structured_output(body, None),
+            # echo with logprobs scores the prompt too, unless prompt_logprobs says how (vLLM).
+            prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs,
+            structured_output=self._structured_output(parse_structured_output(body), None),
         )
+        api = CompletionsAPI(engine.tokenizer, logprobs is not None, echo,
+                             prompt_logprobs is not None)
+        reply = self._reply(api, options)
         # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
         with self._reserve(len(prompts) * len(options.params)) as reservation:
             encoded = tokenizing.encode_prompts(engine, prompts, "prompt")
             tokenizing.check_context(encoded, options, engine.max_model_len)
-            api = CompletionsAPI(engine.tokenizer, logprobs is not None, echo)
-            self._generate(api, reservation, encoded, options)
+            self._generate(reply, reservation, encoded, options)
 
     def embeddings(self) -> None:
-        engine, body = self.server.engine, self._read_json()
-        protocol.check_model(body, self.server.settings.model_name)
-        check_fields(body, "embeddings")
+        engine, body = self.server.engine, self._read_body("embeddings")
         encoding = tokens.parse_encoding_format(body)
         prompts = tokenizing.parse_prompts(body, "input")
+        request_id = self._name_request("embd-")
         with self._reserve(len(prompts)) as reservation:
             encoded = tokenizing.encode_prompts(engine, prompts, "input")
             sequences = [(prompt, PoolingParams()) for prompt in encoded]
-            with self._submitted(reservation, sequences, "embd") as submission:
+            with self._submitted(reservation, sequences) as submission:
                 finals = self._collect(submission)
         model_id = self.server.settings.model_name
-        self._send_json(200, tokens.embeddings_response(finals, encoding, model_id))
+        self._send_json(200, tokens.embeddings_response(finals, encoding, model_id, request_id))
 
     def tokenize(self) -> None:
-        engine, body = self.server.engine, self._read_json()
-        protocol.check_model(body, self.server.settings.model_name)
+        engine, body = self.server.engine, self._read_body()
         if body.get("messages") is not None:  # a chat, rendered as the chat route renders it
-            messages = tokenizing.parse_messages(body, tool_fields)
-            tools = parse_tools(body)
-            template = tokenizing.parse_template_options(body, messages, tools and tools.tools)
+            messages, template = self._conversation(body, parse_tools(body))
             with self._reserve(1):
                 token_ids = tokenizing.render_chat(engine, messages, template)
         elif isinstance(body.get("prompt"), str):
@@ -199,17 +197,50 @@ class OpenAIHandler(HTTPHandler):
         self._send_json(200, tokens.tokenize_response(engine, token_ids, body))
 
     def detokenize(self) -> None:
-        engine, body = self.server.engine, self._read_json()
-        protocol.check_model(body, self.server.settings.model_name)
+        engine, body = self.server.engine, self._read_body()
         token_ids = tokens.parse_detokenize(body, engine.model_config.vocab_size)
         text = engine.tokenizer.decode(token_ids, skip_special_tokens=False)
         self._send_json(200, {"prompt": text})
 
+    # ------------------------------------------------------------ shared steps
+    def _read_body(self, route: str | None = None) -> dict[str, Any]:
+        """The JSON body, naming the served model (or none) and, for a generating `route`,
+        holding no field it cannot honour (`fields`)."""
+        body = self._read_json()
+        protocol.check_model(body, self.server.settings.model_name)
+        if route is not None:
+            check_fields(body, route)
+        return body
+
+    def _conversation(
+        self, chat: dict[str, Any], tools: ToolOptions | None
+    ) -> tuple[list[dict[str, Any]], tokenizing.TemplateOptions]:
+        """A chat request's messages, checked, and how the template renders them."""
+        messages = tokenizing.parse_messages(chat, tool_fields)
+        return messages, tokenizing.parse_template_options(chat, messages, tools and tools.tools)
+
+    def _chat(self, messages: list[dict[str, Any]], template: tokenizing.TemplateOptions,
+              options: GenerationOptions, answer: Answer, param: str = "messages") -> None:
+        """Render the conversation, tokenize it holding its queue slots, and answer it."""
+        engine = self.server.engine
+        with self._reserve(len(options.params)) as reservation:
+            prompt = tokenizing.render_chat(engine, messages, template, param)
+            prompts = tokenizing.encode_prompts(engine, [prompt], param)
+            tokenizing.check_context(prompts, options, engine.max_model_len)
+            self._generate(answer, reservation, prompts, options)
+
+    def _reply(self, api: API, options: GenerationOptions) -> Reply:
+        """The answer of a chat or completions request, under a new request id."""
+        return Reply(api, self._name_request(api.id_prefix), self.server.settings.model_name,
+                     int(time.time()), self.record.usage, options.include_usage,
+                     options.continuous_usage)
+
     def _structured_output(
-        self, body: dict[str, Any], tools: ToolOptions | None
+        self, asked: tuple[StructuredOutput | None, str | None], tools: ToolOptions | None
     ) -> StructuredOutput | None:
-        """The grammar the request asks for (or its tool_choice forces), compiled now."""
-        spec, param = parse_structured_output(body)
+        """The grammar the request asks for in its field `asked[1]` (or its tool_choice
+        forces), compiled now; a 400 naming the field, or the tool, if it can't be."""
+        spec, param = asked
         forced = tools.grammar() if tools is not None else None
         if forced is not None:
             if spec is not None:
@@ -217,7 +248,12 @@ class OpenAIHandler(HTTPHandler):
                                   "tool_choice")
             spec, param = forced, "tools"
         if spec is not None:
-            compile_structured_output(self.server.engine, spec, param)
+            try:
+                compile_structured_output(self.server.engine, spec, param)
+            except APIError as error:
+                compile = self.server.engine.grammars.compile
+                named = tools.schema_error(compile) if forced is not None else None
+                raise (named or error) from None
         return spec
 
     ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {
@@ -228,110 +264,9 @@ class OpenAIHandler(HTTPHandler):
         "/v1/models": {"GET": list_models},
         "/v1/chat/completions": {"POST": chat_completions},
         "/v1/completions": {"POST": completions},
+        "/v1/responses": {"POST": create_response},
         "/v1/embeddings": {"POST": embeddings},
         "/tokenize": {"POST": tokenize},
         "/detokenize": {"POST": detokenize},
         "/version": {"GET": version},
     }
-
-    # ------------------------------------------------------------ generation
-    def _generate(self, api: API, reservation: Reservation, prompts: list[EncodedPrompt],
-                  options: GenerationOptions) -> None:
-        self.record.samples_per_prompt = len(options.params)
-        # Choices are ordered prompt by prompt, then sample by sample, as OpenAI orders them.
-        sequences = [(prompt, params) for prompt in prompts for params in options.params]
-        with self._submitted(reservation, sequences, api.id_prefix, options.priority) as submission:
-            reply = Reply(api, self.record.request_id, self.server.settings.model_name,
-                          int(time.time()), options.include_usage)
-            if options.stream:
-                self._stream(reply, submission)
-            else:
-                finals = self._collect(submission)
-                self._send_json(200, reply.response(finals, self.record.usage()))
-            self.server.metrics.request_duration.observe(time.perf_counter() - self.record.start)
-
-    def _reserve(self, count: int) -> Reservation:
-        """Queue slots for a request of `count` sequences, held from before its tokenizing
-        (a 429 when the queue is full)."""
-        loop = self.server.engine_loop
-        if count > loop.capacity:
-            raise bad_request(f"{count} sequences asked for; this server holds {loop.capacity}")
-        return loop.reserve(count)
-
-    @contextmanager
-    def _submitted(
-        self, reservation: Reservation,
-        sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
-        id_prefix: str, priority: int = 0,
-    ) -> Iterator[Submission]:
-        """Hand the sequences to the engine; whatever is unfinished on leaving (the client
-        left, timed out, or something failed) is aborted."""
-        self.record.request_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
-        try:
-            submission = reservation.submit(sequences, self.record.request_id, priority)
-        except ValueError as error:  # the engine refused the input
-            raise bad_request(str(error), protocol.named_parameter(str(error))) from error
-        try:
-            yield submission
-        finally:
-            if submission.unfinished:
-                self.server.engine_loop.abort(submission.unfinished)
-
-    def _collect(self, submission: Submission) -> list[RequestOutput]:
-        for _ in self._follow(submission):
-            pass
-        return [self.record.latest[i] for i in range(len(submission.request_ids))]
-
-    def _stream(self, reply: Reply, submission: Submission) -> None:
-        self.event_stream = True
-        self._send_head(200, "text/event-stream; charset=utf-8", {"Cache-Control": "no-cache"})
-        for opening in reply.api.opening_choices(len(submission.request_ids)):
-            self._send_event(reply.chunk([opening]))  # one per choice, as OpenAI sends them
-        for index, output in self._follow(submission):
-            choice = reply.api.delta_choice(index, output)
-            if choice is not None:
-                self._send_event(reply.chunk([choice]))
-        if reply.include_usage:
-            self._send_event(reply.usage_chunk(self.record.usage()))
-        self._decide_status(200)
-        self._send_event("[DONE]")
-
-    def _follow(self, submission: Submission) -> Iterator[tuple[int, RequestOutput]]:
-        """Yield (choice index, output) as outputs arrive, until every choice has finished.
-
-        Raises ClientDisconnected when the client has gone and 504 past the deadline; the
-        caller then aborts what is unfinished.
-        """
-        index_of = {request_id: i for i, request_id in enumerate(submission.request_ids)}
-        timeout = self.server.settings.request_timeout
-        deadline = None if timeout is None else self.record.start + timeout
-        while submission.unfinished:
-            self._check_client()
-            wait = POLL_SECONDS if deadline is None else deadline - time.perf_counter()
-            output = submission.next_output(timeout=min(max(wait, 0.0), POLL_SECONDS))
-            if output is not None:
-                index = index_of[output.request_id]
-                self._on_output(index, output)
-                yield index, output
-            elif deadline is not None and time.perf_counter() >= deadline:
-                raise APIError(
-                    504, f"the request did not finish within {timeout:g} s and was aborted",
-                    "timeout_error", code="request_timeout",
-                )
-
-    def _on_output(self, index: int, output: RequestOutput) -> None:
-        record, metrics = self.record, self.server.metrics
-        record.latest[index] = output
-        if not output.delta_token_ids:
-            return
-        now = time.perf_counter()
-        previous = record.last_token_at.get(index)
-        if previous is None:
-            metrics.time_to_first_token.observe(now - record.start)
-            record.first_token_at = record.first_token_at or now
-        else:
-            gap = (now - previous) / len(output.delta_token_ids)
-            for _ in output.delta_token_ids:
-                metrics.inter_token_latency.observe(gap)
-        record.last_token_at[index] = now
-

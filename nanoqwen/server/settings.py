@@ -17,7 +17,7 @@ WRITE_TIMEOUT_SECONDS = 5.0
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str  # what /v1/models lists, responses echo, and requests must name
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set: "Authorization: Bearer <key>" (but /health, the page)
     max_queue: int = DEFAULT_MAX_QUEUE  # sequences that may wait beyond max_num_seqs
     request_timeout: float | None = None  # seconds before an unfinished request is aborted
     max_body_bytes: int = MAX_BODY_BYTES

@@ -7,7 +7,8 @@ Three spellings reach the same `StructuredOutput` (`sampling/structured.py`; com
   "strict"}}` (JSON that validates against `schema`; always enforced, strict or not);
 * vLLM's `structured_outputs`: one of `json` (a schema), `json_object: true`, `regex`,
   `choice` (a list of strings), `grammar` (EBNF) or `structural_tag`;
-* vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+* vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and
+  SGLang's `regex` and `ebnf`.
 
 A request may use one of them. The grammar is compiled here, on the handler's thread:
 an invalid schema is a 400 naming the field, and the engine finds it compiled.
@@ -22,8 +23,9 @@ from nanoqwen.sampling.structured import StructuredOutput
 from nanoqwen.server.protocol import bad_request
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# Top-level fields that ask for one kind each: vLLM's older names, then SGLang's.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+                 "guided_grammar": "grammar", "regex": "regex", "ebnf": "grammar"}
 
 
 def parse_structured_output(body: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
@@ -31,7 +33,7 @@ def parse_structured_output(body: dict[str, Any]) -> tuple[StructuredOutput | No
     asked = []
     response_format = body.get("response_format")
     if response_format is not None:
-        spec = _from_response_format(response_format)
+        spec = parse_response_format(response_format)
         if spec is not None:
             asked.append((spec, "response_format"))
     if body.get("structured_outputs") is not None:
@@ -53,22 +55,26 @@ def compile_structured_output(engine: LLMEngine, spec: StructuredOutput, param: 
         raise bad_request(str(error), param) from error
 
 
-def _from_response_format(response_format: Any) -> StructuredOutput | None:
-    if not isinstance(response_format, dict):
-        raise bad_request("response_format must be an object", "response_format")
-    kind = response_format.get("type")
+def parse_response_format(
+    value: Any, param: str = "response_format", flat: bool = False
+) -> StructuredOutput | None:
+    """OpenAI's `response_format` (chat), or `text.format` (the Responses API, `flat`:
+    a JSON schema's `name`, `schema` and `strict` sit beside its `type`)."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object", param)
+    kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput(json_object=True)
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, "
-                          f"got {kind!r}", "response_format.type")
-    described = response_format.get("json_schema")
+        raise bad_request(f"{param}.type must be text, json_object or json_schema, "
+                          f"got {kind!r}", f"{param}.type")
+    described = value if flat else value.get("json_schema")
+    where = param if flat else f"{param}.json_schema"
     if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
-        raise bad_request("response_format.json_schema must be an object with a schema object",
-                          "response_format.json_schema")
-    return _spec("response_format.json_schema.schema", json=described["schema"])
+        raise bad_request(f"{where} must be an object with a schema object", where)
+    return _spec(f"{where}.schema", json=described["schema"])
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutput:

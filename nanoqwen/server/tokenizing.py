@@ -6,12 +6,15 @@ queued, on the handler thread, so it is bounded before it starts: text longer th
 `MAX_PROMPT_BYTES_PER_TOKEN` bytes per token of context cannot fit, and is refused from
 its length alone. Every refusal for size carries OpenAI's code `context_length_exceeded`
 (`context_too_long`), which clients read to trim a conversation. Messages are checked
-role by role; `developer`, OpenAI's newer name for `system`, is rendered as `system`.
+role by role; `developer`, OpenAI's newer name for `system`, is rendered as `system`, and
+a role of the model's own (vLLM's custom roles) is passed to the template as it is,
+unless the template leaves it out.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,8 @@ MAX_PROMPT_BYTES_PER_TOKEN = 16
 # OpenAI's newer name for `system`, which is all the templates know.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
+# Any other role goes to the template as it is (vLLM's custom roles): a name, no markup.
+CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 def context_too_long(message: str, param: str) -> APIError:
@@ -159,33 +164,55 @@ def encode_prompts(engine: LLMEngine, prompts: list[Prompt], param: str) -> list
 
 
 def render_chat(
-    engine: LLMEngine, messages: list[dict[str, Any]], options: TemplateOptions
+    engine: LLMEngine, messages: list[dict[str, Any]], options: TemplateOptions,
+    param: str = "messages",
 ) -> list[int]:
     """The conversation's token ids, through the model's template; one too long to fit
-    the context (told from its size as JSON) is refused before the template sees it."""
+    the context (told from its size as JSON) is refused before the template sees it.
+    `param` is the request field the conversation came from."""
     conversation = json.dumps([messages, options.tools], ensure_ascii=False).encode()
-    check_text_size(len(conversation), engine.max_model_len, "messages")
+    check_text_size(len(conversation), engine.max_model_len, param)
     try:
-        return engine.tokenizer.apply_chat_template(
+        token_ids = engine.tokenizer.apply_chat_template(
             messages, options.enable_thinking, options.tools, options.add_generation_prompt,
             options.continue_final_message,
         )
     # The template itself refused (roles out of order), or transformers did (a prefill it
     # cannot find in the rendered text).
     except (jinja2.TemplateError, ValueError) as error:
-        raise bad_request(f"cannot apply the chat template: {error}", "messages") from error
+        raise bad_request(f"cannot apply the chat template: {error}", param) from error
+    _check_custom_roles(engine, messages, token_ids)
+    return token_ids
+
+
+def _check_custom_roles(
+    engine: LLMEngine, messages: list[dict[str, Any]], token_ids: list[int]
+) -> None:
+    """A 400 for a message of a role of its own that the template left out: templates
+    skip the roles they don't know (Qwen's do), and a reply to a conversation missing a
+    message is not what the client asked for."""
+    custom = [(i, m) for i, m in enumerate(messages) if m["role"] not in ROLES and m["content"]]
+    if not custom:
+        return
+    rendered = engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+    for index, message in custom:
+        if message["content"] not in rendered:
+            raise bad_request(f"this model's chat template leaves out messages with the role "
+                              f"{message['role']!r}", f"messages[{index}].role")
 
 
 def _parse_message(message: object, param: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param)
     role = message.get("role")
-    # A template would write any other role into the prompt as it is.
-    if not isinstance(role, str) or role not in ROLES:
-        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}",
+    # A template writes a role into the prompt as it is: a role of its own is a name, so
+    # that it cannot end the turn header early and start a turn of another role.
+    if not isinstance(role, str) or not (role in ROLES or CUSTOM_ROLE.fullmatch(role)):
+        raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, or a role of the "
+                          f"model's own (1-64 letters, digits, _, - or .), got {role!r}",
                           f"{param}.role")
     content = _message_text(message.get("content"), f"{param}.content")
-    return {"role": ROLES[role], "content": content}
+    return {"role": ROLES.get(role, role), "content": content}
 
 
 def _message_text(content: object, param: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from typing import Any
 
 from nanoqwen.engine import LLMEngine
@@ -34,22 +35,25 @@ def model_card(model_id: str, created: int, engine: LLMEngine) -> dict[str, Any]
 
 
 def parse_encoding_format(body: dict[str, Any]) -> str:
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ENCODING_FORMATS:
+    encoding = body.get("encoding_format")
+    if encoding is None:  # left out, or null as any field may be: OpenAI's default
+        return "float"
+    if not isinstance(encoding, str) or encoding not in ENCODING_FORMATS:
         raise bad_request(f"encoding_format must be float or base64, got {encoding!r}",
                           "encoding_format")
     return encoding
 
 
 def embeddings_response(
-    outputs: list[RequestOutput], encoding: str, model_id: str
+    outputs: list[RequestOutput], encoding: str, model_id: str, request_id: str
 ) -> dict[str, Any]:
     data = [
         {"object": "embedding", "index": index, "embedding": _encode(output.embedding, encoding)}
         for index, output in enumerate(outputs)
     ]
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    return {"object": "list", "data": data, "model": model_id,
+    return {"id": request_id, "object": "list", "created": int(time.time()), "data": data,
+            "model": model_id,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 

@@ -11,7 +11,9 @@ in its reply (as many blocks as it wants calls). Past calls come back in the his
 assistant's `tool_calls`, and their results as `tool` messages, which the template renders
 in the same format. So the server's part is small:
 
-* pass `tools` and the tool-call history to the template (`parse_tools`, `tool_fields`);
+* pass `tools` and the tool-call history to the template (`parse_tools`, `tool_fields`),
+  each function's parameter types in JSON Schema's spelling (`schemas`: `"int"` is
+  `"integer"`), whatever the `tool_choice`;
 * turn the reply's `<tool_call>` blocks into OpenAI `tool_calls` (`parse_tool_calls`, or
   `ToolCallStream` while streaming: text outside the blocks streams as content, each call
   goes out whole once its block closes); a block that is not valid JSON stays text;
@@ -27,27 +29,31 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanoqwen.sampling.structured import StructuredOutput
-from nanoqwen.server.protocol import bad_request
+from nanoqwen.server.protocol import APIError, bad_request
+from nanoqwen.server.schemas import normalize_parameters
 from nanoqwen.text.stop_strings import partial_match_length
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 TOOL_CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
+NO_PARAMETERS = {"type": "object", "properties": {}}  # a function that takes no arguments
 
 
 @dataclass(frozen=True)
 class ToolOptions:
     """What a chat request says about tools."""
 
-    tools: list[dict[str, Any]]  # OpenAI function tools, as the template renders them
+    tools: list[dict[str, Any]]  # chat's function tools, as the template renders them
     choice: str  # "none", "auto", "required", or "function" (exactly `function`)
     function: str | None = None
     parallel: bool = True  # may a reply hold several calls?
+    params: tuple[str, ...] = ()  # where the request wrote each function (for errors)
 
     @property
     def parses_calls(self) -> bool:
@@ -72,24 +78,80 @@ class ToolOptions:
             }))
         return None
 
+    def schema_error(self, compile: Callable[[StructuredOutput], object]) -> APIError | None:
+        """A 400 naming the first function whose parameters `compile` refuses on their own:
+        the grammar of a forced call holds every function, and its error can't say which."""
+        for tool, param in zip(self.tools, self.params):
+            function = tool["function"]
+            try:
+                compile(StructuredOutput(json=function.get("parameters") or NO_PARAMETERS))
+            except ValueError as error:
+                reason = str(error).partition(" is invalid: ")[2] or str(error)
+                return bad_request(f"{param}.parameters (function {function['name']!r}) is "
+                                   f"not a schema the grammar can enforce: {reason}",
+                                   f"{param}.parameters")
+        return None
 
-def parse_tools(body: dict[str, Any]) -> ToolOptions | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; None without tools."""
+
+def parse_tools(body: dict[str, Any], flat: bool = False) -> ToolOptions | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; None without tools.
+
+    Chat nests a function's definition (`{"type": "function", "function": {"name": ...}}`,
+    and names a forced one as `{"type": "function", "function": {"name": ...}}`); the
+    Responses API is `flat`: the definition's fields sit beside `type`, and so does the
+    forced function's `name`. Errors name the fields as the request spelled them.
+    """
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if flat and tools == []:  # the Responses API's way to say none, where "auto" asks nothing
+        tools, choice = None, None if choice == "auto" else choice
     if tools is None:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
     if not isinstance(tools, list) or not tools:
         raise bad_request("tools must be a non-empty list of function tools", "tools")
-    names = [_check_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    params = tuple(f"tools[{i}]" if flat else f"tools[{i}].function" for i in range(len(tools)))
+    functions = [checked_function(_function_of(tool, param, flat), param)
+                 for tool, param in zip(tools, params)]
+    names = [function["name"] for function in functions]
     if len(set(names)) < len(names):
         raise bad_request("tools must have distinct function names", "tools")
-    choice, function = _tool_choice("auto" if choice is None else choice, names)
-    return ToolOptions(tools, choice, function, parallel is not False)
+    choice, function = _tool_choice("auto" if choice is None else choice, names, flat)
+    chat_tools = [{"type": "function", "function": function} for function in functions]
+    return ToolOptions(chat_tools, choice, function, parallel is not False, params)
+
+
+def _function_of(tool: Any, param: str, flat: bool) -> Any:
+    """The function definition in a tool (see `parse_tools`), once the tool is a function's."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        param = param.removesuffix(".function")
+        shape = "'name': ..." if flat else "'function': {...}"
+        raise bad_request(f"{param} must be a function tool ({{'type': 'function', {shape}}}); "
+                          f"this server runs no built-in tools", param)
+    if flat:
+        return {key: value for key, value in tool.items() if key != "type"}
+    return tool.get("function")
+
+
+def checked_function(function: Any, param: str) -> dict[str, Any]:
+    """A function definition (`name`, `description`, `parameters`), checked, its
+    parameters normalized (`schemas.normalize_parameters`)."""
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"{param} must be an object with a name", param)
+    name = function["name"]
+    if not FUNCTION_NAME.match(name):
+        raise bad_request(f"{param}.name must be 1-64 letters, digits, _ or -", f"{param}.name")
+    parameters = function.get("parameters")
+    if parameters is None:
+        return function
+    if not isinstance(parameters, dict):
+        raise bad_request(f"{param}.parameters must be a JSON schema object",
+                          f"{param}.parameters")
+    return {**function,
+            "parameters": normalize_parameters(parameters, name, f"{param}.parameters")}
 
 
 def tool_fields(message: dict[str, Any], param: str) -> dict[str, Any]:
@@ -166,9 +228,14 @@ class ToolCallStream:
 
 
 def _parse_call(block: str) -> dict[str, Any] | None:
-    """An OpenAI tool call from a block's JSON, or None if it is not a call."""
+    """An OpenAI tool call from a block's JSON, or None if it is not a call.
+
+    Raw control characters inside strings are taken (`strict=False`): xgrammar 0.2.8 lets
+    a forced call's string bounded by `maxLength` hold them, and the arguments go out
+    re-encoded, escaped as JSON requires.
+    """
     try:
-        call = json.loads(block)
+        call = json.loads(block, strict=False)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -182,35 +249,26 @@ def _parse_call(block: str) -> dict[str, Any] | None:
             "function": {"name": call["name"], "arguments": encoded}}
 
 
-def _check_tool(tool: Any, param: str) -> str:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise bad_request(f"{param} must be a function tool ({{'type': 'function', ...}})", param)
-    function = tool.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise bad_request(f"{param}.function must be an object with a name", f"{param}.function")
-    if not FUNCTION_NAME.match(function["name"]):
-        raise bad_request(f"{param}.function.name must be 1-64 letters, digits, _ or -",
-                          f"{param}.function.name")
-    parameters = function.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise bad_request(f"{param}.function.parameters must be a JSON schema object",
-                          f"{param}.function.parameters")
-    return function["name"]
-
-
-def _tool_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+def _tool_choice(choice: Any, names: list[str], flat: bool) -> tuple[str, str | None]:
     if choice in TOOL_CHOICES:
         return choice, None
-    named = (isinstance(choice, dict) and choice.get("type") == "function"
-             and isinstance(choice.get("function"), dict))
-    name = choice["function"].get("name") if named else None
+    name = _forced_name(choice, flat)
     if not isinstance(name, str):
-        raise bad_request("tool_choice must be none, auto, required or "
-                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        shape = "'name': ..." if flat else "'function': {'name': ...}"
+        raise bad_request(f"tool_choice must be none, auto, required or "
+                          f"{{'type': 'function', {shape}}}", "tool_choice")
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
                           "tool_choice")
     return "function", name
+
+
+def _forced_name(choice: Any, flat: bool) -> Any:
+    """The name in a named `tool_choice` (see `parse_tools`), or None."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    named = choice if flat else choice.get("function")
+    return named.get("name") if isinstance(named, dict) else None
 
 
 def _history_call(call: Any, param: str) -> dict[str, Any]:
@@ -230,7 +288,7 @@ def _history_call(call: Any, param: str) -> dict[str, Any]:
 def _call_tag(function: dict[str, Any]) -> dict[str, Any]:
     """The structural tag of one call to `function`, in Qwen's format. One whitespace
     character at most between JSON tokens: enough for any layout, never an endless pad."""
-    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    schema = function.get("parameters") or NO_PARAMETERS
     return {
         "type": "tag",
         "begin": f'{CALL_START}\n{{"name": {json.dumps(function["name"])}, "arguments": ',
