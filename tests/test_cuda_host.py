@@ -321,6 +321,34 @@ def test_unsupported_shapes_say_why(
     assert message in flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
 
 
+@pytest.mark.parametrize(
+    "kv_dtype, scale, passed",
+    [(torch.float8_e4m3fn, 1.0, {}),
+     (torch.float8_e4m3fn, 0.5, {"k_scale": 0.5, "v_scale": 0.5}),
+     (torch.bfloat16, 0.5, {})],
+    ids=["fp8-at-1", "fp8-at-0.5", "bf16"],
+)
+def test_run_is_given_kv_scales_only_for_fp8_pages_at_a_scale_other_than_1(
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, kv_dtype: torch.dtype,
+    scale: float, passed: dict[str, float],
+) -> None:
+    """flashinfer reads pages at scale 1 when given none, and up to 0.5 it multiplies the
+    output by any `v_scale` it is given, 1.0 included, in a kernel of its own (one more
+    launch per layer and step): so a scale of 1 is left out, for decodes and prefills."""
+    log = fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(attention_flashinfer, "TENSOR_SCALE", scale)
+    for num_tokens in (DECODE, PREFILL):
+        warm_up_kernels(FlashInferBackend, num_tokens, shape, 1, torch.bfloat16, kv_dtype,
+                        torch.device("cpu"))
+    runs = [who for name, who in log if name == "run"]
+    assert [type(who) for who in runs] == [FakeDecodeWrapper, FakePrefillWrapper]
+    assert all(who.scale_arguments == {"k_scale": None, "v_scale": None, **passed}
+               for who in runs)
+    read_at = scale if kv_dtype == torch.float8_e4m3fn else 1.0
+    assert all(who.scales == (read_at, read_at) for who in runs)
+
+
 # ----------------------------------------------------------------- the model's device
 def test_start_up_and_every_step_run_on_the_models_device(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
