@@ -24,7 +24,7 @@ from pathlib import Path
 import fake_flashinfer
 import pytest
 import torch
-from cuda_helpers import build_model_64
+from cuda_helpers import FLASHINFER_DISABLE_JIT_SINCE, build_model_64, declared_flashinfer_range
 from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
 from oracle import greedy, random_prompts, run_to_completion
 from rich.console import Console
@@ -347,6 +347,14 @@ def test_run_is_given_kv_scales_only_for_fp8_pages_at_a_scale_other_than_1(
                for who in runs)
     read_at = scale if kv_dtype == torch.float8_e4m3fn else 1.0
     assert all(who.scales == (read_at, read_at) for who in runs)
+
+
+def test_the_declared_flashinfer_range_starts_where_the_tests_can_run() -> None:
+    """The host-without-nvcc test turns flashinfer's JIT off with FLASHINFER_DISABLE_JIT,
+    which flashinfer reads from 0.4.0 on: the `cuda` extra must not allow anything older."""
+    declared = declared_flashinfer_range()
+    assert declared.contains(str(FLASHINFER_DISABLE_JIT_SINCE))
+    assert not any(declared.contains(old) for old in ("0.2.5", "0.3.1.post1"))
 
 
 # ----------------------------------------------------------------- the model's device
