@@ -62,7 +62,8 @@ LEFT_OUT = {
         "nvidia-cutlass-dsl": "flashinfer's CuTe-DSL kernels, imported only where they are "
                               "called; the paged attention nanoqwen calls is JIT-built CUDA C++ "
                               "(and the DSL's CUDA libraries weigh 88 MiB)",
-        "nvidia-cudnn-frontend": "flashinfer's cuDNN attention backend, which nanoqwen does not pick",
+        "nvidia-cudnn-frontend": "flashinfer's cuDNN attention backend, which nanoqwen does "
+                                 "not pick",
         "cuda-tile": "flashinfer's cuTile kernels, imported only where they are called",
         "nccl4py": "flashinfer's communication kernels; nanoqwen's tensor parallelism uses "
                    "torch.distributed",
