@@ -130,7 +130,8 @@ def test_the_check_refuses_a_missing_outdir_and_unknown_options() -> None:
 # ----------------------------------------------------------------- gpu_check.sh, on a GPU
 # What the GPU machine's Python does for each part, as far as the check can tell: it writes
 # the files the part is asked for (copies of the ones in the `canned` folder, named after
-# them) and notes each call. `capability` and `report` run for real. bench_torch fails.
+# them) and notes each call. `capability` and `report` run for real. A call whose command
+# line holds FAKE_FAIL fails.
 FAKE_PYTHON = """#!{python}
 import os, shutil, sys
 from pathlib import Path
@@ -144,7 +145,7 @@ if args[:2] == ["-m", "tools.gpu_check"] and args[2] in ("capability", "report")
 if args[:3] == ["-m", "pip", "install"]:
     Path(args[args.index("--target") + 1]).mkdir(parents=True)
     sys.exit(0)
-if "--attention-backend" in args and args[args.index("--attention-backend") + 1] == "torch":
+if os.environ["FAKE_FAIL"] in " ".join(args):
     sys.exit(3)
 out = next(args[i + 1] for i, arg in enumerate(args) if arg in ("--out", "--json", "--junitxml"))
 shutil.copy(canned / Path(out).name, out)
@@ -164,11 +165,11 @@ def bench_result(output_tok_s: float, batch_one: bool = False) -> dict[str, Any]
     return result
 
 
-def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(tmp_path: Path) -> None:
-    """The GPU path of the check, on stand-ins for nvidia-smi and for the GPU machine's
-    Python: the order of the parts, what each is given (the wheels' folder first on
-    PYTHONPATH, flashinfer's target architecture), and a report of everything they wrote,
-    a failed part included."""
+@pytest.fixture
+def on_a_gpu(tmp_path: Path):
+    """Runs the check on stand-ins for nvidia-smi and for the GPU machine's Python (its calls
+    fail where their command line holds `fail`); returns the exit status, the JSON, the log
+    and the calls the stand-in saw (command line, FLASHINFER_CUDA_ARCH_LIST, PYTHONPATH)."""
     canned, bin_dir, wheels, out = (tmp_path / name for name in ("canned", "bin", "w", "out"))
     for folder in (canned, bin_dir, wheels):
         folder.mkdir()
@@ -179,6 +180,7 @@ def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(tmp_path:
         "kernels.json": {"preset": "qwen3-0.6b", "seconds": 95.0, "modules_built": 2,
                          "modules_cached_before": 0, "prefill": "auto"},
         "bench_graphs.json": bench_result(6000.0), "bench_eager.json": bench_result(1500.0),
+        "bench_torch.json": bench_result(2000.0),
         "bench_batch1.json": bench_result(250.0, batch_one=True),
     }
     for name, value in files.items():
@@ -191,14 +193,30 @@ def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(tmp_path:
     nvidia_smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
     for script in (python, nvidia_smi):
         script.chmod(0o755)
-    completed = subprocess.run(
-        ["bash", str(REPOSITORY / "tools" / "gpu_check.sh"), str(out)],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(python),
-             "WHEELS": str(wheels), "TMPDIR": str(tmp_path), "FLASHINFER_CUDA_ARCH_LIST": ""},
-    )
-    assert completed.returncode == 1, completed.stderr  # bench_torch failed
-    report = json.loads((out / "gpu_check.json").read_text())
+
+    def run(fail: str) -> dict[str, Any]:
+        completed = subprocess.run(
+            ["bash", str(REPOSITORY / "tools" / "gpu_check.sh"), str(out)],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                 "PYTHON": str(python), "WHEELS": str(wheels), "TMPDIR": str(tmp_path),
+                 "FLASHINFER_CUDA_ARCH_LIST": "", "FAKE_FAIL": fail},
+        )
+        calls = [line.split("\t") for line in (canned / "calls.txt").read_text().splitlines()]
+        return {"status": completed.returncode, "stderr": completed.stderr, "calls": calls,
+                "json": json.loads((out / "gpu_check.json").read_text()),
+                "log": (out / "gpu_check.log").read_text()}
+
+    return run
+
+
+def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(on_a_gpu) -> None:
+    """The order of the parts, what each is given (the wheels' folder first on PYTHONPATH,
+    flashinfer's target architecture), and a report of everything they wrote, a failed
+    part included."""
+    run = on_a_gpu(fail="--attention-backend torch")
+    assert run["status"] == 1, run["stderr"]  # bench_torch failed
+    report = run["json"]
     statuses = [(part["name"], part["status"]) for part in report["parts"]]
     assert statuses == [
         ("install", "ok"), ("environment", "ok"), ("kernels", "ok"), ("pytest", "ok"),
@@ -214,14 +232,26 @@ def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(tmp_path:
     assert summary["bench_batch1"]["wall_over_dense_matmul_floor"] == 3.0
     assert summary["kernel_build_s"] == 95.0
 
-    calls = [line.split("\t") for line in (canned / "calls.txt").read_text().splitlines()]
-    site = calls[0][0].split("--target ")[1].split()[0]
-    assert all(path.split(":")[:2] == [site, str(REPOSITORY)] for _, _, path in calls)
+    site = run["calls"][0][0].split("--target ")[1].split()[0]
+    assert all(path.split(":")[:2] == [site, str(REPOSITORY)] for _, _, path in run["calls"])
     # The kernels are built for the GPU torch saw (an empty setting counts as none).
-    assert all(arch == "9.0" for command, arch, _ in calls if "kernels" in command)
-    log = (out / "gpu_check.log").read_text()
-    assert "flashinfer builds for compute capability 9.0" in log
-    assert "== bench_torch: failed after" in log and "ran -m tools.gpu_check kernels" in log
+    assert all(arch == "9.0" for command, arch, _ in run["calls"] if "kernels" in command)
+    assert "flashinfer builds for compute capability 9.0" in run["log"]
+    assert "== bench_torch: failed after" in run["log"]
+    assert "ran -m tools.gpu_check kernels" in run["log"]
+
+
+def test_on_a_gpu_kernels_that_fail_to_build_skip_the_flashinfer_benchmarks(on_a_gpu) -> None:
+    run = on_a_gpu(fail="tools.gpu_check kernels")
+    assert run["status"] == 1, run["stderr"]
+    parts = {part["name"]: part for part in run["json"]["parts"]}
+    assert parts["kernels"]["status"] == "failed"
+    for name in ("bench_graphs", "bench_eager", "bench_batch1"):
+        assert parts[name]["status"] == "skipped"
+        assert parts[name]["note"] == "flashinfer's kernels failed to build (see the kernels part)"
+    assert parts["pytest"]["status"] == parts["bench_torch"]["status"] == "ok"
+    assert list(run["json"]["benchmarks"]) == ["bench_torch"]
+    assert not any("--attention-backend flashinfer" in command for command, _, _ in run["calls"])
 
 
 # ----------------------------------------------------------------- the report's parts

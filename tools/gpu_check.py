@@ -75,9 +75,12 @@ def command_output(*command: str) -> str | None:
 
 
 def nvcc() -> dict[str, str | None]:
-    """Where flashinfer finds nvcc (CUDA_HOME first, as it does) and its release."""
+    """Where flashinfer finds nvcc (as it looks: CUDA_HOME, then the PATH, then
+    /usr/local/cuda) and its release."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     path = str(Path(cuda_home, "bin", "nvcc")) if cuda_home else shutil.which("nvcc")
+    if path is None and Path("/usr/local/cuda/bin/nvcc").is_file():
+        path = "/usr/local/cuda/bin/nvcc"
     text = command_output(path, "--version") if path else None
     release = re.search(r"release [\d.]+, V([\d.]+)", text or "")
     return {"path": path, "version": release.group(1) if release else None}
@@ -120,6 +123,7 @@ def environment() -> dict[str, Any]:
         "gpus": gpus,
         "driver": driver.splitlines()[0] if driver else None,
         "nvcc": nvcc(),
+        "ninja": shutil.which("ninja"),  # what flashinfer's JIT runs its builds with
         "flashinfer": flashinfer_status(),
         "packages": {name: installed_version(name) for name in PACKAGES},
         "settings": {name: os.environ.get(name) for name in (
@@ -139,7 +143,8 @@ def describe_environment(found: dict[str, Any]) -> str:
         f"GPU:        {gpus}, driver {found['driver'] or 'unknown'}",
         f"torch:      {found['torch']} (CUDA {found['torch_cuda'] or 'none'}), "
         f"GPU available: {found['cuda_available']}",
-        f"nvcc:       {found['nvcc']['version'] or 'not found'} ({found['nvcc']['path']})",
+        f"nvcc:       {found['nvcc']['version'] or 'not found'} ({found['nvcc']['path']}), "
+        f"ninja: {found['ninja'] or 'not found'}",
         f"flashinfer: {flashinfer['version'] or 'not installed'}"
         + (f" (does not import: {flashinfer['import_error']})"
            if flashinfer["import_error"] else ""),

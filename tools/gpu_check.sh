@@ -42,6 +42,10 @@ for arg in "$@"; do
 done
 [[ -n $OUTDIR ]] || usage
 
+if ! command -v "${PYTHON:-python3}" >/dev/null; then
+    echo "gpu_check: no ${PYTHON:-python3} here (PYTHON names the interpreter)" >&2
+    exit 2
+fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUTDIR"
@@ -124,7 +128,9 @@ run_part() {
     esac
     say "== $name: $outcome after $(( SECONDS - start )) s${note:+ ($note)}"
     record "$name" "$outcome" "$(( SECONDS - start ))" "$limit" "$note" "$*"
+    LAST_OUTCOME=$outcome
 }
+LAST_OUTCOME=""
 
 # The benchmark workload: nano-vllm's published one (bench.py's defaults, spelled out) on
 # random weights of Qwen3-0.6B's shape, at the max_model_len nano-vllm's benchmark uses.
@@ -158,6 +164,11 @@ CHECKPOINT=("$PYTHON" -m tools.gpu_check checkpoint --preset "$PRESET"
 # before site-packages, so these wheels are the ones imported; they hold no torch.
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# flashinfer's JIT runs `ninja` from the PATH: the one beside the interpreter (a virtual
+# environment's, say) comes first, even when the interpreter was named by its full path.
+if python_path=$(command -v "$PYTHON"); then
+    PATH="$(dirname "$python_path"):$PATH"
+fi
 
 say "nanoqwen GPU check, $(git rev-parse --short HEAD 2>/dev/null || echo 'no git'), into $OUTDIR"
 # Whether there is a GPU at all, asked of the driver first (cheaper than importing torch),
@@ -211,8 +222,10 @@ if [[ $MODE == gpu ]]; then
 fi
 
 # --- the kernels and the tests
+KERNELS_OUTCOME=""
 if [[ $MODE == gpu ]]; then
     run_part kernels "${KERNELS[@]}"
+    KERNELS_OUTCOME=$LAST_OUTCOME
     run_part pytest "${PYTEST[@]}"
 else
     skip kernels "dry run: needs a CUDA GPU" "${KERNELS[@]}"
@@ -230,10 +243,20 @@ if [[ $MODE == gpu ]]; then
     CHECKPOINT_PID=""
     tee -a "$LOG" <"$WORK/checkpoint.out"
     record checkpoint "$status" "$(( SECONDS - checkpoint_start ))" 300 "$note" "${CHECKPOINT[*]}"
-    run_part bench_graphs "${BENCH_GRAPHS[@]}"
-    run_part bench_eager "${BENCH_EAGER[@]}"
-    run_part bench_torch "${BENCH_TORCH[@]}"
-    run_part bench_batch1 "${BENCH_BATCH1[@]}"
+    # Kernels that failed to build (rather than ran out of time, when the next build goes on
+    # from where this one stopped) would fail every flashinfer part the same way.
+    if [[ $KERNELS_OUTCOME == failed ]]; then
+        no_flashinfer="flashinfer's kernels failed to build (see the kernels part)"
+        skip bench_graphs "$no_flashinfer" "${BENCH_GRAPHS[@]}"
+        skip bench_eager "$no_flashinfer" "${BENCH_EAGER[@]}"
+        run_part bench_torch "${BENCH_TORCH[@]}"
+        skip bench_batch1 "$no_flashinfer" "${BENCH_BATCH1[@]}"
+    else
+        run_part bench_graphs "${BENCH_GRAPHS[@]}"
+        run_part bench_eager "${BENCH_EAGER[@]}"
+        run_part bench_torch "${BENCH_TORCH[@]}"
+        run_part bench_batch1 "${BENCH_BATCH1[@]}"
+    fi
 else
     skip checkpoint "dry run: only the benchmarks need it" "${CHECKPOINT[@]}"
     for part in BENCH_GRAPHS BENCH_EAGER BENCH_TORCH BENCH_BATCH1; do
