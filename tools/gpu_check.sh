@@ -259,10 +259,10 @@ if [[ $MODE == gpu ]]; then
     fi
 else
     skip checkpoint "dry run: only the benchmarks need it" "${CHECKPOINT[@]}"
-    for part in BENCH_GRAPHS BENCH_EAGER BENCH_TORCH BENCH_BATCH1; do
-        declare -n command=$part
-        skip "${part,,}" "dry run: needs a CUDA GPU" "${command[@]}"
-    done
+    skip bench_graphs "dry run: needs a CUDA GPU" "${BENCH_GRAPHS[@]}"
+    skip bench_eager "dry run: needs a CUDA GPU" "${BENCH_EAGER[@]}"
+    skip bench_torch "dry run: needs a CUDA GPU" "${BENCH_TORCH[@]}"
+    skip bench_batch1 "dry run: needs a CUDA GPU" "${BENCH_BATCH1[@]}"
 fi
 
 # --- the report: one JSON, and a summary at the end of the log
