@@ -82,7 +82,7 @@ REPORT_S=15  # kept for the report at the end
 GRACE_S=10
 #      part          cap  floor  (seconds)
 PARTS="install        60    20
-       environment    40    10
+       environment    90    10
        kernels       240    60
        pytest        240    60
        bench_graphs  120    75
