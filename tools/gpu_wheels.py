@@ -26,9 +26,14 @@ from dataclasses import dataclass, field
 from email.parser import Parser
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-from packaging.version import Version
+try:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+except ImportError:  # a Python with pip alone: pip carries its own copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
+    from pip._vendor.packaging.version import Version
 
 MIB = 1 << 20
 # How markers read on the GPU machine: CPython 3.12 on Linux x86_64.
