@@ -11,11 +11,15 @@ Each test says what it needs with `needs_cuda` (a GPU; torch alone) or `needs_fl
 import gc
 import importlib.util
 import random
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from oracle import greedy, run_to_completion
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from steps import step_of
 
 from nanoqwen import LLMEngine
@@ -28,6 +32,17 @@ needs_flashinfer = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
     reason="needs a CUDA GPU and flashinfer (pip install -e \".[cuda]\")",
 )
+
+# The first flashinfer release that reads FLASHINFER_DISABLE_JIT (a host that cannot compile).
+FLASHINFER_DISABLE_JIT_SINCE = Version("0.4.0")
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def declared_flashinfer_range() -> SpecifierSet:
+    """The flashinfer-python versions pyproject's `cuda` extra declares."""
+    match = re.search(r'"flashinfer-python([^";]*)"', PYPROJECT.read_text())
+    assert match, "pyproject.toml declares no flashinfer-python"
+    return SpecifierSet(match.group(1))
 
 
 # (cached tokens, new tokens) per request of a step.

@@ -1,8 +1,9 @@
 """A stand-in for flashinfer's paged-attention wrappers and CUDA events, for CPU tests.
 
-The wrappers keep the contract of flashinfer-python 0.7.2's own
-`BatchPrefillWithPagedKVCacheWrapper` and `BatchDecodeWithPagedKVCacheWrapper`, with the
-same parameter names (so a misnamed argument fails here as it would there):
+The wrappers mimic flashinfer-python 0.7.2's own `BatchPrefillWithPagedKVCacheWrapper` and
+`BatchDecodeWithPagedKVCacheWrapper`, with the same parameter names (so a misnamed argument
+fails here as it would there). Those names are the same from 0.4.0 on (checked against the
+sources of 0.4.0, 0.6.18.post1 and 0.7.0.post1): the range pyproject's `cuda` extra declares.
 
 * `plan` takes the page table (indptr and last-page lengths on the host), the head counts,
   head size and page size, and remembers the schedule;
@@ -10,9 +11,11 @@ same parameter names (so a misnamed argument fails here as it would there):
   copies the step's page table into them and refuses another batch size, and `run` reads
   them, as a replayed graph's kernels do;
 * `run(q, (k_cache, v_cache), k_scale=, v_scale=)` attends with the planned schedule, the
-  caches in the planned `kv_data_type` (fp8 numbers read times their per-tensor scale). The
-  attention itself is `ReferenceBackend`'s, so a step planned right gives the reference's
-  exact output.
+  caches in the planned `kv_data_type` (fp8 numbers read times their per-tensor scale, 1
+  when none is given, as flashinfer's default). The attention itself is
+  `ReferenceBackend`'s, so a step planned right gives the reference's exact output. Each
+  wrapper keeps the scales its last `run` read the pages at (`scales`) and the scale
+  arguments it was passed (`scale_arguments`).
 
 Every `plan`, `run`, `synchronize` and `record` is appended to one shared log, with the
 object that made it, so tests can check the order of calls across wrappers and events.
@@ -51,7 +54,9 @@ class FakeWrapper:
         assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
         self.log = log
         self.planned: dict | None = None
-        self.scales: tuple[float | None, float | None] | None = None  # the last run's
+        # The last run's: the scales the pages were read at, and the arguments it was given.
+        self.scales: tuple[float, float] | None = None
+        self.scale_arguments: dict[str, float | None] = {}
 
     def remember(
         self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -71,11 +76,12 @@ class FakeWrapper:
     ) -> torch.Tensor:
         assert self.planned is not None, "run before plan"
         self.log.append(("run", self))
-        self.scales = (k_scale, v_scale)
+        self.scale_arguments = {"k_scale": k_scale, "v_scale": v_scale}
+        # flashinfer's defaults: 1.
+        scales = self.scales = tuple(1.0 if s is None else s for s in (k_scale, v_scale))
         num_heads, num_kv_heads, head_dim, page_size = self.planned["shape"]
         q_data_type, kv_data_type = self.planned["dtypes"]
         assert q.dtype == q_data_type and paged_kv_cache[0].dtype == (kv_data_type or q_data_type)
-        scales = (k_scale or 1.0, v_scale or 1.0)  # flashinfer's defaults: 1
 
         def gather(layer: int, kind: int, pages: torch.Tensor) -> torch.Tensor:
             return paged_kv_cache[kind][pages].to(q.dtype) * scales[kind]

@@ -24,7 +24,7 @@ from pathlib import Path
 import fake_flashinfer
 import pytest
 import torch
-from cuda_helpers import build_model_64
+from cuda_helpers import FLASHINFER_DISABLE_JIT_SINCE, build_model_64, declared_flashinfer_range
 from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
 from oracle import greedy, random_prompts, run_to_completion
 from rich.console import Console
@@ -321,6 +321,42 @@ def test_unsupported_shapes_say_why(
     head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, message: str
 ) -> None:
     assert message in flashinfer_unsupported_reason(head_dim, dtype, kv_dtype)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, scale, passed",
+    [(torch.float8_e4m3fn, 1.0, {}),
+     (torch.float8_e4m3fn, 0.5, {"k_scale": 0.5, "v_scale": 0.5}),
+     (torch.bfloat16, 0.5, {})],
+    ids=["fp8-at-1", "fp8-at-0.5", "bf16"],
+)
+def test_run_is_given_kv_scales_only_for_fp8_pages_at_a_scale_other_than_1(
+    shape: AttentionShape, monkeypatch: pytest.MonkeyPatch, kv_dtype: torch.dtype,
+    scale: float, passed: dict[str, float],
+) -> None:
+    """flashinfer reads pages at scale 1 when given none, and up to 0.5 it multiplies the
+    output by any `v_scale` it is given, 1.0 included, in a kernel of its own (one more
+    launch per layer and step): so a scale of 1 is left out, for decodes and prefills."""
+    log = fake_flashinfer.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(attention_flashinfer, "TENSOR_SCALE", scale)
+    for num_tokens in (DECODE, PREFILL):
+        warm_up_kernels(FlashInferBackend, num_tokens, shape, 1, torch.bfloat16, kv_dtype,
+                        torch.device("cpu"))
+    runs = [who for name, who in log if name == "run"]
+    assert [type(who) for who in runs] == [FakeDecodeWrapper, FakePrefillWrapper]
+    assert all(who.scale_arguments == {"k_scale": None, "v_scale": None, **passed}
+               for who in runs)
+    read_at = scale if kv_dtype == torch.float8_e4m3fn else 1.0
+    assert all(who.scales == (read_at, read_at) for who in runs)
+
+
+def test_the_declared_flashinfer_range_starts_where_the_tests_can_run() -> None:
+    """The host-without-nvcc test turns flashinfer's JIT off with FLASHINFER_DISABLE_JIT,
+    which flashinfer reads from 0.4.0 on: the `cuda` extra must not allow anything older."""
+    declared = declared_flashinfer_range()
+    assert declared.contains(str(FLASHINFER_DISABLE_JIT_SINCE))
+    assert not any(declared.contains(old) for old in ("0.2.5", "0.3.1.post1"))
 
 
 # ----------------------------------------------------------------- the model's device

@@ -18,8 +18,12 @@ torch backend, saying why.
 
 A KV cache in fp8 (`kv_cache_dtype="fp8_e4m3"`) is read by the same kernels, planned with
 `kv_data_type` fp8: they take one scale for all of a layer's keys and one for its values
-(`k_scale`, `v_scale` in `run`), so the cache is built without per-vector scales
-(`memory/kv_cache.py`). flashinfer has no int8 KV kernels: an int8 cache runs on the torch backend.
+(`k_scale`, `v_scale` in `run`, left out when they are 1, flashinfer's default), so the
+cache is built without per-vector scales (`memory/kv_cache.py`). flashinfer has no int8 KV
+kernels: an int8 cache runs on the torch backend.
+
+Written against flashinfer-python 0.4 to 0.7 (pyproject's `cuda` extra), whose wrappers take
+the same parameter names (`tests/fake_flashinfer.py` mimics them).
 """
 
 from __future__ import annotations
@@ -213,6 +217,18 @@ def one_request(
     )
 
 
+def run_scales(quantized: bool, scale: float) -> dict[str, float]:
+    """The `k_scale` and `v_scale` to pass to `run` for KV pages stored at one `scale` per
+    tensor: none for pages in the model's dtype, and none for a scale of 1.
+
+    flashinfer's default (None) is 1, and passing 1 is not free on every version: up to
+    0.5 it multiplies the output by any `v_scale` it is given in a kernel of its own, one
+    more launch per layer and step (and in every captured graph); 0.6 skips a 1.0."""
+    if not quantized or scale == 1.0:
+        return {}
+    return {"k_scale": scale, "v_scale": scale}
+
+
 class FencedWrapper:
     """A flashinfer wrapper, and the CUDA event that keeps its `plan` from racing the GPU."""
 
@@ -276,12 +292,10 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP_SIZE
         self.data_types = {"q_data_type": dtype, "kv_data_type": kv_dtype}
-        # What the kernels multiply an fp8 page's numbers by (nothing to pass otherwise).
-        self.kv_scales = {}
-        if kv_cache.is_quantized:
-            from nanoqwen.memory.kv_quant import TENSOR_SCALE
-
-            self.kv_scales = {"k_scale": TENSOR_SCALE, "v_scale": TENSOR_SCALE}
+        # What the kernels multiply an fp8 page's numbers by: the cache's one scale, which
+        # only a quantized cache has (`memory/kv_quant.py`).
+        scale = getattr(kv_cache, "tensor_scale", 1.0)
+        self.kv_scales = run_scales(kv_cache.is_quantized, scale)
         self.prefill_wrapper = self._fenced(
             flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend

@@ -27,6 +27,7 @@ TENSOR_SCALE = 1.0
 
 class QuantizedKVCache(KVCache):
     is_quantized = True
+    tensor_scale = TENSOR_SCALE  # what a cache without per-vector scales stores numbers at
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
