@@ -102,6 +102,7 @@ from transformers.utils import logging as transformers_logging
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import (
     SPECULATIVE_OPTION_NAMES,
+    config_option,
     engine_options,
     model_option,
     pop_engine_options,
@@ -869,6 +870,7 @@ def assemble_result(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@config_option
 @model_option(default=None)
 @click.option(
     "--random-weights",
