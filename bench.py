@@ -109,6 +109,7 @@ from nanoqwen.cli import (
     quiet_library_noise,
 )
 from nanoqwen.speculative.proposers import SpeculationStats
+from nanoqwen.stats import kv_cache_group
 from nanoqwen.weights.checkpoint import resolve_model_path
 from nanoqwen.weights.gguf import from_pretrained_arguments
 from nanoqwen.weights.loader import runtime_quantization
@@ -398,8 +399,10 @@ def run_engine(
         generated += tokens
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
+        # The KV group alone: all of stats() reads the process's memory too, inside the timing.
+        pages_used = kv_cache_group(engine.allocator, engine.runner.kv_cache_bytes)["pages_used"]
         step_figures = (now - step_start, running, timer.scheduled_tokens - scheduled_before,
-                        tokens, engine.stats()["kv_cache"]["pages_used"])
+                        tokens, pages_used)
         for figures, value in zip(per_step.values(), step_figures, strict=True):
             figures.append(value)
     wall = now - start

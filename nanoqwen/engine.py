@@ -55,7 +55,7 @@ from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Scheduler
 from nanoqwen.scheduling.waiting_queue import check_priority
 from nanoqwen.speculative.proposers import make_proposer
-from nanoqwen.stats import Stats, kv_cache_group, prefix_cache_group, requests_group
+from nanoqwen.stats import Stats, kv_cache_group, memory_group, prefix_cache_group, requests_group
 from nanoqwen.text.detokenizer import IncrementalDetokenizer
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import open_checkpoint
@@ -343,6 +343,7 @@ class LLMEngine:
             **prefix_cache_group(self.cache),
             **self.proposer.stats_group(),
             **self.runner.cpu_threads.stats_group(),
+            **memory_group(self.runner, self.allocator),
         }
 
     def reset_prefix_cache(self) -> int:
