@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 from click.testing import CliRunner
 from rich.filesize import decimal
@@ -54,6 +55,7 @@ from server_helpers import (
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.server import OpenAIServer, ServerSettings, make_server
 
+STATES = ("used", "cached", "free")  # of a KV page, as /metrics labels them
 
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
@@ -188,8 +190,16 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
     assert after['nanoqwen_time_to_first_token_seconds_bucket{le="+Inf"}'] == (
         after["nanoqwen_time_to_first_token_seconds_count"]
     )
-    pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in ("used", "cached", "free")]
+    pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in STATES]
     assert pages[0] == 0 and sum(pages) == api_server.engine.allocator.num_usable_pages
+    # The KV cache's bytes, by the same states; the process's memory holds it and more.
+    kv_bytes = [after[f'nanoqwen_kv_cache_bytes{{state="{state}"}}'] for state in STATES]
+    page_bytes = api_server.engine.runner.page_bytes
+    assert kv_bytes == [count * page_bytes for count in pages]
+    assert sum(kv_bytes) == after["nanoqwen_kv_cache_total_bytes"]
+    resident = after["nanoqwen_resident_memory_bytes"]  # the server runs in this process
+    assert resident == pytest.approx(psutil.Process().memory_info().rss, rel=0.25)
+    assert resident > after["nanoqwen_weight_bytes"] + sum(kv_bytes) > 0
 
 
 # ---------------------------------------------------------------------------- concurrency
