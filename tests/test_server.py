@@ -48,6 +48,7 @@ from server_helpers import (
     running_server,
     scrape,
     send_slowly,
+    serve_process,
     slow_down,
     wait_until,
 )
@@ -399,21 +400,10 @@ def test_cli_help_documents_every_option() -> None:
 
 def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
     # SIGINT (Ctrl-C) takes the same path; one process start is enough.
-    process = subprocess.Popen(
-        [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
-        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-    )
+    process, port, log = serve_process("--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2")
     stop_trickling = threading.Event()
     sender = None
     try:
-        port = None
-        log: list[str] = []
-        while port is None:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving:\n" + "".join(log)
-            log.append(line)
-            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
-            port = match and int(match.group(1))
         # Where the model runs and what it holds, as chat's banner says it.
         llm = LLM(qwen3_dir, max_num_seqs=2)
         kv = llm.stats()["kv_cache"]
