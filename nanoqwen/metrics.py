@@ -208,7 +208,7 @@ CPU_FAMILIES: tuple[FamilySpec, ...] = (
 )
 MEMORY_FAMILIES: tuple[FamilySpec, ...] = (
     (GaugeMetricFamily, "nanoqwen_resident_memory_bytes",
-     "resident memory (RSS) of the server's process (rank 0's, with split ranks).",
+     "resident set size (RSS) of the server's process (rank 0's, with split ranks).",
      "resident_bytes"),
     (GaugeMetricFamily, "nanoqwen_weight_bytes", "bytes of the model's weights, every rank's.",
      "weight_bytes"),
