@@ -177,7 +177,7 @@ def config_option(command: Command) -> Command:
         "--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
         is_eager=True, expose_value=False, callback=read_config_file, metavar="FILE",
         help="Option values from a YAML or JSON file, keys named like the options "
-             "(max_num_seqs or max-num-seqs); options given here override the file's.",
+             "(max_num_seqs or max-num-seqs); options on the command line override it.",
     )(command)
 
 
@@ -187,12 +187,14 @@ def read_config_file(ctx: click.Context, param: click.Parameter, path: Path | No
         return
     options = options_by_key(ctx.command)
     defaults: dict[str, Any] = {}
+    seen: set[str] = set()
     for key, value in load_config(path).items():
         option = options.get(str(key).replace("-", "_"))
         if option is None:
             raise click.ClickException(f"{path}: {unknown_key(str(key), options)}")
-        if option.name in defaults:
+        if option.name in seen:  # under two spellings
             raise click.ClickException(f"{path}: {option.name} is set twice")
+        seen.add(option.name)
         if value is not None:  # null: the option's own default
             defaults[option.name] = checked_value(ctx, option, value, f"{path}: {key}")
     # Merged over the command's own default_map (chat's max_num_seqs of 1).

@@ -119,10 +119,11 @@ def test_the_example_file_is_one_serve_reads() -> None:
     ("dtype: {a: 1}\n", "dtype: expected one value, got a dict"),
     ("allowed_origins: [[a]]\n", "allowed_origins: expected one value, got a list"),
     ("max_num_seqs: 2\nmax-num-seqs: 3\n", "max_num_seqs is set twice"),
+    ("page_size: null\npage-size: 8\n", "page_size is set twice"),
     ("- max_num_seqs\n", "expected option names and their values, got a list"),
     ("max_num_seqs: [2\n", "not YAML (line 2): expected ',' or ']', but got '<stream end>'"),
 ], ids=["misspelt", "misspelt-dashes", "unknown", "fraction", "bool", "range", "list", "dict",
-        "nested-list", "twice", "not-a-mapping", "bad-yaml"])
+        "nested-list", "twice", "twice-once-null", "not-a-mapping", "bad-yaml"])
 def test_a_mistake_in_the_file_is_one_line(text: str, message: str, tmp_path: Path) -> None:
     config = write(tmp_path, text)
     result = CliRunner().invoke(serve.main, ["--config", str(config), "--model", "m"])

@@ -393,6 +393,7 @@ def test_cli_help_documents_every_option() -> None:
         "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
         "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
         "--max-connections", "--allowed-origins", "--served-model-name", "--write-timeout",
+        "--config",
     ):
         assert option in result.output
     assert "127.0.0.1" in result.output
