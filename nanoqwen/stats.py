@@ -42,9 +42,10 @@ marks a value of this moment.
 | | `cuda_allocated_bytes` | now in tensors on the GPU (CUDA only: rank 0's GPU, as torch counts) |
 | | `cuda_reserved_bytes` | now held by torch's caching allocator there (allocated, and spare) |
 
-The `memory` group says where the bytes go: a process's resident memory covers everything
-(weights, KV cache, activations, Python), and on a GPU, what torch reserved beyond what it
-allocated is memory no other process can have while the engine runs.
+The `memory` group says where the bytes go. On a CPU the process's resident memory holds
+everything: weights, KV cache, activations, Python. On a GPU the weights and the KV cache
+are in what torch allocated there, and what it reserved beyond that is memory it keeps for
+reuse, which no other process can have while the engine runs.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def memory_group(runner: ModelRunner, allocator: PageAllocator) -> Stats:
     """The `memory` group: the bytes of the process, the weights, the KV cache by page
     state and, on CUDA, torch's GPU memory."""
     kv = kv_cache_group(allocator, runner.kv_cache_bytes)
-    page_bytes = runner.kv_cache_bytes // allocator.num_pages  # the scratch page among them
+    page_bytes = runner.kv_cache_bytes // allocator.num_pages  # the pool: scratch page too
     group = {
         "resident_bytes": psutil.Process().memory_info().rss,
         "weight_bytes": weight_bytes(runner.model) * rank_count(runner),
