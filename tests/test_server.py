@@ -195,7 +195,8 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
     assert pages[0] == 0 and sum(pages) == api_server.engine.allocator.num_usable_pages
     # The KV cache's bytes, by the same states; the process's memory holds it and more.
     kv_bytes = [after[f'nanoqwen_kv_cache_bytes{{state="{state}"}}'] for state in STATES]
-    page_bytes = api_server.engine.runner.page_bytes
+    pool = api_server.engine.runner.kv_cache
+    page_bytes = pool.nbytes // pool.num_pages
     assert kv_bytes == [count * page_bytes for count in pages]
     assert sum(kv_bytes) == after["nanoqwen_kv_cache_total_bytes"]
     resident = after["nanoqwen_resident_memory_bytes"]  # the server runs in this process
