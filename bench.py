@@ -101,12 +101,14 @@ import nanoqwen  # noqa: F401, I001 (first: it sets OpenMP's wait policy before 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.cli import (
     SPECULATIVE_OPTION_NAMES,
+    config_option,
     engine_options,
     model_option,
     pop_engine_options,
     quiet_library_noise,
 )
 from nanoqwen.speculative.proposers import SpeculationStats
+from nanoqwen.stats import kv_cache_group
 from nanoqwen.weights.checkpoint import resolve_model_path
 from nanoqwen.weights.gguf import from_pretrained_arguments
 from nanoqwen.weights.loader import runtime_quantization
@@ -397,8 +399,10 @@ def run_engine(
         generated += tokens
         finished = sum(output.finished for output in outputs)
         progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
+        # The KV group alone: all of stats() reads the process's memory too, inside the timing.
+        pages_used = kv_cache_group(engine.allocator, engine.runner.kv_cache.nbytes)["pages_used"]
         step_figures = (now - step_start, running, timer.scheduled_tokens - scheduled_before,
-                        tokens, engine.stats()["kv_cache"]["pages_used"])
+                        tokens, pages_used)
         for figures, value in zip(per_step.values(), step_figures, strict=True):
             figures.append(value)
     wall = now - start
@@ -869,6 +873,7 @@ def assemble_result(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@config_option
 @model_option(default=None)
 @click.option(
     "--random-weights",

@@ -65,6 +65,7 @@ from rich.table import Table
 
 from nanoqwen import LLM, RequestOutput, SamplingParams
 from nanoqwen.cli import (
+    config_option,
     describe_engine,
     engine_options,
     model_option,
@@ -562,6 +563,7 @@ MAX_MODEL_LEN_HELP = (
         "default_map": {"max_num_seqs": 1},
     },
 )
+@config_option
 @model_option(default="Qwen/Qwen3-0.6B")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--temperature", type=click.FloatRange(min=0),

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from nanoqwen.cli import (
+    config_option,
     describe_engine,
     engine_options,
     model_option,
@@ -35,6 +36,7 @@ logger = logging.getLogger("nanoqwen.serve")
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@config_option
 @model_option(required=True)
 @click.option("--host", default="127.0.0.1", help="Interface to bind; 0.0.0.0 exposes the server.")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535), help="0 picks a free port.")

@@ -5,15 +5,28 @@ Each engine option maps to one `EngineConfig` field and shows that field's defau
 default. `describe_engine` is the one line each prints about a loaded engine, and
 `quiet_library_noise` keeps another library's start-up chatter, which no user can act on,
 off their terminals.
+
+`--config FILE` reads option values from a YAML or JSON file (`examples/serve.yaml`). It
+uses click's own layering: a command looks an option up on the command line, then in its
+environment variable, then in the context's `default_map`, then takes its default. The
+option is eager, so its callback runs before any other option is read, and it fills the
+`default_map` from the file; whatever the command line says still wins. Each value is
+checked as the flag's text would be (`max_num_seqs: 2.5` fails as `--max-num-seqs 2.5`
+does), so a file can't sneak past a check the command line makes, and every mistake in
+it is one line that names the file and the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import yaml  # PyYAML: a dependency of transformers and huggingface_hub
 from rich.filesize import decimal
 
 from nanoqwen.config import (
@@ -155,3 +168,95 @@ def quiet_library_noise() -> None:
     model loaders of transformers import torchao too. Their other messages still show."""
     for each, drop in torchao_import_noise():
         each.addFilter(drop)
+
+
+# --------------------------------------------------------------------------- config files
+def config_option(command: Command) -> Command:
+    """`--config FILE`: option values from a YAML or JSON file (see the module docstring)."""
+    return click.option(
+        "--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        is_eager=True, expose_value=False, callback=read_config_file, metavar="FILE",
+        help="Option values from a YAML or JSON file, keys named like the options "
+             "(max_num_seqs or max-num-seqs); options on the command line override it.",
+    )(command)
+
+
+def read_config_file(ctx: click.Context, param: click.Parameter, path: Path | None) -> None:
+    """Put a config file's values into `ctx.default_map`, under the options' names."""
+    if path is None:
+        return
+    options = options_by_key(ctx.command)
+    defaults: dict[str, Any] = {}
+    seen: set[str] = set()
+    for key, value in load_config(path).items():
+        option = options.get(str(key).replace("-", "_"))
+        if option is None:
+            raise click.ClickException(f"{path}: {unknown_key(str(key), options)}")
+        if option.name in seen:  # under two spellings
+            raise click.ClickException(f"{path}: {option.name} is set twice")
+        seen.add(option.name)
+        if value is not None:  # null: the option's own default
+            defaults[option.name] = checked_value(ctx, option, value, f"{path}: {key}")
+    # Merged over the command's own default_map (chat's max_num_seqs of 1).
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+
+
+def load_config(path: Path) -> dict[Any, Any]:
+    """The file's mapping: JSON for a .json file, YAML otherwise; empty for an empty file."""
+    text = path.read_text()
+    try:
+        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise click.ClickException(f"{path}: not JSON: {error}") from None
+    except yaml.YAMLError as error:  # its message spans lines: problem, then a quote
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or type(error).__name__
+        raise click.ClickException(f"{path}: not YAML{where}: {problem}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise click.ClickException(f"{path}: expected option names and their values, "
+                                   f"got a {type(values).__name__}")
+    return values
+
+
+def options_by_key(command: click.Command) -> dict[str, click.Option]:
+    """Each option under every name a file may give it, with underscores for dashes: its
+    parameter name (`enable_prefix_cache`) and its long flags (`prefix_cache`)."""
+    options: dict[str, click.Option] = {}
+    for param in command.params:
+        if isinstance(param, click.Option) and param.expose_value:  # not --help, --config
+            for name in (param.name, *param.opts):
+                if name == param.name or name.startswith("--"):
+                    options[name.removeprefix("--").replace("-", "_")] = param
+    return options
+
+
+def unknown_key(key: str, options: dict[str, click.Option]) -> str:
+    """The error for a key no option has, with the closest name spelt as the key is."""
+    close = difflib.get_close_matches(key.replace("-", "_"), list(options), n=1)
+    if not close:
+        return f"unknown option {key!r} (see --help)"
+    suggestion = close[0].replace("_", "-") if "-" in key else close[0]
+    return f"unknown option {key!r}; did you mean {suggestion!r}?"
+
+
+def checked_value(ctx: click.Context, option: click.Option, value: Any, where: str) -> Any:
+    """A file's value as the option's type, checked as the same text on the command line
+    (a repeatable option takes a list, or one value)."""
+    if option.multiple and not isinstance(value, list):
+        value = [value]
+    try:
+        text = [as_text(item) for item in value] if option.multiple else as_text(value)
+        return option.type_cast_value(ctx, text)
+    except click.BadParameter as error:
+        raise click.ClickException(f"{where}: {error.message}") from None
+
+
+def as_text(value: Any) -> str:
+    """A scalar as the text a flag would take: 2.5 for an integer option fails as
+    `--max-num-seqs 2.5` does, instead of being cut to 2."""
+    if isinstance(value, (dict, list)):
+        raise click.BadParameter(f"expected one value, got a {type(value).__name__}")
+    return str(value).lower() if isinstance(value, bool) else str(value)

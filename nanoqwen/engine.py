@@ -46,6 +46,7 @@ from nanoqwen.scheduling.waiting_queue import check_priority
 from nanoqwen.stats import (
     Stats,
     kv_cache_group,
+    memory_group,
     prefix_cache_group,
     requests_group,
     state_pool_group,
@@ -323,6 +324,7 @@ class LLMEngine:
             **prefix_cache_group(self.cache),
             **state_pool_group(self.states),
             **self.runner.cpu_threads.stats_group(),
+            **memory_group(self.runner, self.allocator, self.num_ranks),
         }
         for hook in self.step_hooks:
             stats.update(hook.stats_group())

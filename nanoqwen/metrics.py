@@ -13,9 +13,10 @@ scrapes. `prometheus_client` writes the page; three kinds of metric are enough h
 
 Latencies are measured where the client sees them, in the server's handler threads, into
 `prometheus_client`'s thread-safe counters and histograms. Everything the engine already
-counts (pages, queue lengths, token totals, prefix-cache hits) is *not* copied here:
-`EngineStatsCollector` reads a fresh `engine.stats()` at scrape time, so the page can never
-drift from the engine's own accounting.
+counts (pages, queue lengths, token totals, prefix-cache hits, the bytes of the process,
+the weights and the KV cache) is *not* copied here: `EngineStatsCollector` reads a fresh
+`engine.stats()` at scrape time, so the page can never drift from the engine's own
+accounting.
 
 Each `ServerMetrics` has its own registry (not the process-wide default), so several
 servers in one process keep separate counts.
@@ -107,13 +108,11 @@ def engine_families(stats: EngineStats) -> list[Metric]:
     )
     for reason, count in sorted(requests["finished"].items()):
         finished.add_metric([reason], count)
-    pages = GaugeMetricFamily(
+    pages = by_state(
         "nanoqwen_kv_pages",
         "KV-cache pages by state: used (held by requests), cached (only the prefix cache "
-        "holds them; evictable), free.", labels=["state"],
+        "holds them; evictable), free.", kv, "pages_{}",
     )
-    for state in ("used", "cached", "free"):
-        pages.add_metric([state], kv[f"pages_{state}"])
     preemptions = CounterMetricFamily(
         "nanoqwen_preemptions_by_cause",
         "Running requests preempted, by cause: kv_pages (the KV pool ran out), max_num_seqs "
@@ -139,18 +138,41 @@ def engine_families(stats: EngineStats) -> list[Metric]:
         *group_families(stats, "prefix_cache", PREFIX_CACHE_FAMILIES, "Prefix cache: "),
         *group_families(stats, "speculative", SPECULATION_FAMILIES, "Speculative decoding: "),
         *group_families(stats, "cpu", CPU_FAMILIES, "CPU: "),
+        *memory_families(stats),
     ]
+
+
+def by_state(name: str, help: str, group: Mapping[str, Any], key: str) -> GaugeMetricFamily:
+    """A gauge labelled by KV page state: used, cached, free (`key` names a state's figure)."""
+    family = GaugeMetricFamily(name, help, labels=["state"])
+    for state in ("used", "cached", "free"):
+        family.add_metric([state], group[key.format(state)])
+    return family
+
+
+def memory_families(stats: EngineStats) -> list[Metric]:
+    """The `memory` group: one gauge a figure, the KV cache's bytes by page state."""
+    if "memory" not in stats:
+        return []
+    kv_bytes = by_state(
+        "nanoqwen_kv_cache_bytes",
+        "Memory: bytes of the KV-cache pages by state (as nanoqwen_kv_pages), every rank's.",
+        stats["memory"], "kv_{}_bytes",
+    )
+    return [kv_bytes, *group_families(stats, "memory", MEMORY_FAMILIES, "Memory: ")]
 
 
 def group_families(
     stats: EngineStats, group: str, families: tuple[FamilySpec, ...], help_prefix: str
 ) -> list[Metric]:
-    """One family per figure of an optional `stats()` group; none when the group is absent."""
+    """One family per figure of an optional `stats()` group; none when the group is absent,
+    nor for a figure it lacks (CUDA's, off a GPU)."""
     if group not in stats:
         return []
     return [
         kind(name, help_prefix + help, value=stats[group][key])
         for kind, name, help, key in families
+        if key in stats[group]
     ]
 
 
@@ -183,4 +205,18 @@ CPU_FAMILIES: tuple[FamilySpec, ...] = (
     (CounterMetricFamily, "nanoqwen_cpu_reduced_steps",
      "steps run on fewer threads than torch's count, to leave others a core.",
      "reduced_steps"),
+)
+MEMORY_FAMILIES: tuple[FamilySpec, ...] = (
+    (GaugeMetricFamily, "nanoqwen_resident_memory_bytes",
+     "resident set size (RSS) of the server's process (rank 0's, with split ranks).",
+     "resident_bytes"),
+    (GaugeMetricFamily, "nanoqwen_weight_bytes", "bytes of the model's weights, every rank's.",
+     "weight_bytes"),
+    (GaugeMetricFamily, "nanoqwen_kv_cache_total_bytes",
+     "bytes of the KV-cache pages requests can hold, every rank's.", "kv_total_bytes"),
+    (GaugeMetricFamily, "nanoqwen_cuda_memory_allocated_bytes",
+     "GPU memory in tensors, as torch counts it (rank 0's GPU).", "cuda_allocated_bytes"),
+    (GaugeMetricFamily, "nanoqwen_cuda_memory_reserved_bytes",
+     "GPU memory torch's caching allocator holds: allocated, and kept for reuse.",
+     "cuda_reserved_bytes"),
 )

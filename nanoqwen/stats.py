@@ -37,17 +37,41 @@ marks a value of this moment.
 | | `threads` | threads the last step ran on (`runner/cpu_threads.py`) |
 | | `others_cores` | cores' worth of time others took, as last read: other processes and this one's other Python threads (a server's handlers) |
 | | `reduced_steps` | steps run on fewer threads than torch's count, to leave others a core |
+| `memory` | `resident_bytes` | now resident in RAM: this process's (rank 0's, with split ranks) |
+| | `weight_bytes` | the model's weights, every rank's (quantized: codes and scales) |
+| | `kv_total_bytes` | the `pages_total` pages' bytes (`kv_cache.bytes` less the scratch page) |
+| | `kv_used_bytes` | of them, the `pages_used` pages' |
+| | `kv_cached_bytes` | the `pages_cached` pages' |
+| | `kv_free_bytes` | the `pages_free` pages': used + cached + free = total |
+| | `cuda_allocated_bytes` | now in tensors on the GPU (CUDA only: rank 0's GPU, as torch counts) |
+| | `cuda_reserved_bytes` | now held by torch's caching allocator there (allocated, and spare) |
+
+The `memory` group says where the bytes go. On a CPU the process's resident memory holds
+everything: weights, KV cache, activations, Python. On a GPU the weights and the KV cache
+are in what torch allocated there, and what it reserved beyond that is memory it keeps for
+reuse, which no other process can have while the engine runs.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+import psutil
+import torch
+from torch import nn
 
 from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
+from nanoqwen.runner.runner import ModelRunner
 from nanoqwen.scheduling.scheduler import Scheduler
+from nanoqwen.weights.quantization import weight_memory_bytes
 
 Stats = dict[str, dict[str, Any]]
+PAGE_STATES = ("total", "used", "cached", "free")
+# Counting the weights walks every module, milliseconds for a large model, and they never
+# change once loaded, while `stats()` may be read every step (bench.py does): once a model.
+_weight_bytes: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def kv_cache_group(allocator: PageAllocator, kv_cache_bytes: int) -> dict[str, int]:
@@ -102,3 +126,27 @@ def prefix_cache_group(cache: RadixCache | None) -> Stats:
             "evicted_pages": cache.evicted_pages,
         }
     }
+
+
+def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) -> Stats:
+    """The `memory` group: the bytes of the process, the weights (every rank's), the KV
+    cache by page state and, on CUDA, torch's GPU memory."""
+    kv_bytes = runner.kv_cache.nbytes * num_ranks
+    kv = kv_cache_group(allocator, kv_bytes)
+    page_bytes = kv_bytes // allocator.num_pages  # the pool: scratch page too
+    group = {
+        "resident_bytes": psutil.Process().memory_info().rss,
+        "weight_bytes": weight_bytes(runner.model) * num_ranks,
+        **{f"kv_{state}_bytes": kv[f"pages_{state}"] * page_bytes for state in PAGE_STATES},
+    }
+    if runner.device.type == "cuda":
+        group["cuda_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
+        group["cuda_reserved_bytes"] = torch.cuda.memory_reserved(runner.device)
+    return {"memory": group}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """This rank's weight bytes (`weight_memory_bytes`), counted once per model."""
+    if model not in _weight_bytes:
+        _weight_bytes[model] = weight_memory_bytes(model)
+    return _weight_bytes[model]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +54,20 @@ def running_server(model: str, **options: Any) -> Iterator[OpenAIServer]:
             or "process_request" in thread.name
         ]
         assert not survivors, survivors
+
+
+def serve_process(*args: str) -> tuple[subprocess.Popen, int, list[str]]:
+    """serve.py in a subprocess, once it serves: (the process, its port, its log so far).
+    The caller stops it; its log goes on in `process.stderr`."""
+    process = subprocess.Popen([sys.executable, "serve.py", *args], cwd=REPO_ROOT,
+                               stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    while line := process.stderr.readline():
+        log.append(line)
+        if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line):
+            return process, int(match.group(1)), log
+    process.wait()
+    raise AssertionError("the server exited before serving:\n" + "".join(log))
 
 
 def slow_down(server: OpenAIServer, seconds_per_step: float = 0.01) -> None:

@@ -531,6 +531,11 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
     stats = engine_stats(child)
     assert stats["pages_total"] == f"{chat.CPU_CONTEXT // page_size:,}"
     assert stats["bytes"] == decimal(kv_bytes)  # sizes as people read them
+    # The memory group: the KV pages' bytes (the scratch page aside), the process's memory.
+    kv_total = kv_bytes // (chat.CPU_CONTEXT + page_size) * chat.CPU_CONTEXT
+    assert stats["kv_total_bytes"] == decimal(kv_total)
+    assert stats["kv_used_bytes"] == "0 bytes"
+    assert re.fullmatch(r"\d+\.\d [MG]B", stats["resident_bytes"])
     assert "hit_rate" in stats and "proposed_tokens" not in stats  # no speculation, no row
     child.sendeof()
     child.expect(pexpect.EOF)

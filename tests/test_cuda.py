@@ -117,6 +117,19 @@ def test_an_engine_on_cuda_0_steps_from_another_thread(model_64: str) -> None:
 
 
 @needs_cuda
+def test_memory_stats_read_the_gpu(qwen3_dir: str) -> None:
+    """On CUDA the memory group adds torch's counts for the engine's GPU, which hold at
+    least the weights and the KV cache; what it reserved holds what it allocated."""
+    engine = LLMEngine(qwen3_dir, device="cuda", attention_backend="torch", num_pages=64)
+    memory = engine.stats()["memory"]
+    device = engine.runner.device
+    assert memory["cuda_allocated_bytes"] == torch.cuda.memory_allocated(device)
+    assert memory["cuda_reserved_bytes"] == torch.cuda.memory_reserved(device)
+    on_gpu = memory["weight_bytes"] + engine.stats()["kv_cache"]["bytes"]
+    assert memory["cuda_reserved_bytes"] >= memory["cuda_allocated_bytes"] >= on_gpu
+
+
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_an_engine_on_the_second_gpu_leaves_the_first_alone(model_64: str) -> None:
     torch.cuda.set_device(0)

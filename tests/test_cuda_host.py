@@ -24,7 +24,11 @@ from pathlib import Path
 import fake_flashinfer
 import pytest
 import torch
-from cuda_helpers import FLASHINFER_DISABLE_JIT_SINCE, build_model_64, declared_flashinfer_range
+from cuda_helpers import (
+    FLASHINFER_DISABLE_JIT_SINCE,
+    build_model_64,
+    declared_flashinfer_range,
+)
 from fake_flashinfer import FakeDecodeWrapper, FakeEvent, FakePrefillWrapper
 from oracle import greedy, random_prompts, run_to_completion
 from rich.console import Console

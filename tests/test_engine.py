@@ -302,6 +302,30 @@ def test_stats_report_the_kv_cache_size(qwen3_dir: str) -> None:
     assert stats["kv_cache"]["pages_total"] == 39  # one page is the scratch page
 
 
+def test_memory_stats_add_up(qwen3_dir: str) -> None:
+    """The KV bytes by page state sum to the usable pages' bytes, the weights are the
+    parameters' bytes, and the process holds at least both."""
+    engine = LLMEngine(qwen3_dir, device="cpu", num_pages=40, page_size=8)
+    finished, running = random_prompts(engine.model_config.vocab_size, [20, 20], seed=5)
+    engine.add_request(finished, greedy(4))
+    run_to_completion(engine)  # its whole pages stay in the prefix cache
+    engine.add_request(running, greedy(50))
+    engine.step()  # its prefill holds pages
+    stats = engine.stats()
+    kv, memory = stats["kv_cache"], stats["memory"]
+    config = engine.model_config  # K and V of 8 tokens, float32
+    page_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * 8
+    assert kv["pages_used"] > 0 and kv["pages_cached"] > 0
+    for state in ("used", "cached", "free"):
+        assert memory[f"kv_{state}_bytes"] == kv[f"pages_{state}"] * page_bytes
+    parts = (memory[f"kv_{state}_bytes"] for state in ("used", "cached", "free"))
+    assert sum(parts) == memory["kv_total_bytes"] == 39 * page_bytes
+    weights = engine.runner.model.parameters()  # a tied embedding once
+    assert memory["weight_bytes"] == sum(p.numel() * p.element_size() for p in weights)
+    assert memory["resident_bytes"] > memory["weight_bytes"] + kv["bytes"]
+    assert not any(key.startswith("cuda") for key in memory)  # on a GPU only
+
+
 def test_a_failing_step_still_hands_over_what_it_finished(
     qwen2_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,11 @@ ENGINE_STATS: dict[str, Any] = {
         "acceptance_rate": 0.75, "mean_accepted_length": 4.0,
     },
     "cpu": {"cores": 2, "threads": 1, "others_cores": 0.9, "reduced_steps": 17},
+    "memory": {
+        "resident_bytes": 900 << 20, "weight_bytes": 300 << 20, "kv_total_bytes": 32 << 10,
+        "kv_used_bytes": 5 << 10, "kv_cached_bytes": 7 << 10, "kv_free_bytes": 20 << 10,
+        "cuda_allocated_bytes": 400 << 20, "cuda_reserved_bytes": 512 << 20,
+    },
 }
 
 
@@ -57,6 +62,26 @@ def test_engine_stats_become_families() -> None:
     assert page[("nanoqwen_cpu_threads", ())] == 1
     assert page[("nanoqwen_cpu_others_cores", ())] == 0.9
     assert page[("nanoqwen_cpu_reduced_steps_total", ())] == 17
+    memory = ENGINE_STATS["memory"]
+    assert page[("nanoqwen_resident_memory_bytes", ())] == memory["resident_bytes"]
+    assert page[("nanoqwen_weight_bytes", ())] == memory["weight_bytes"]
+    assert page[("nanoqwen_kv_cache_total_bytes", ())] == memory["kv_total_bytes"]
+    for state in ("used", "cached", "free"):
+        expected = memory[f"kv_{state}_bytes"]
+        assert page[("nanoqwen_kv_cache_bytes", (("state", state),))] == expected
+    assert page[("nanoqwen_cuda_memory_allocated_bytes", ())] == memory["cuda_allocated_bytes"]
+    assert page[("nanoqwen_cuda_memory_reserved_bytes", ())] == memory["cuda_reserved_bytes"]
+
+
+def test_gpu_memory_is_reported_only_on_a_gpu() -> None:
+    """Off CUDA the memory group has no GPU figures: the page has no GPU families, and
+    keeps the rest of the group."""
+    off_gpu = {key: value for key, value in ENGINE_STATS["memory"].items()
+               if not key.startswith("cuda")}
+    stats = {**ENGINE_STATS, "memory": off_gpu}
+    names = {name for name, _ in samples(ServerMetrics(lambda: stats))}
+    assert {"nanoqwen_resident_memory_bytes", "nanoqwen_kv_cache_bytes"} <= names
+    assert not any(name.startswith("nanoqwen_cuda") for name in names)
 
 
 def test_features_that_are_off_have_no_families() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 from click.testing import CliRunner
 from rich.filesize import decimal
@@ -47,6 +48,7 @@ from server_helpers import (
     running_server,
     scrape,
     send_slowly,
+    serve_process,
     slow_down,
     wait_until,
 )
@@ -54,6 +56,7 @@ from server_helpers import (
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.server import OpenAIServer, ServerSettings, make_server
 
+STATES = ("used", "cached", "free")  # of a KV page, as /metrics labels them
 
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
@@ -188,8 +191,17 @@ def test_models_health_page_and_metrics(api_server: OpenAIServer, client: openai
     assert after['nanoqwen_time_to_first_token_seconds_bucket{le="+Inf"}'] == (
         after["nanoqwen_time_to_first_token_seconds_count"]
     )
-    pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in ("used", "cached", "free")]
+    pages = [after[f'nanoqwen_kv_pages{{state="{state}"}}'] for state in STATES]
     assert pages[0] == 0 and sum(pages) == api_server.engine.allocator.num_usable_pages
+    # The KV cache's bytes, by the same states; the process's memory holds it and more.
+    kv_bytes = [after[f'nanoqwen_kv_cache_bytes{{state="{state}"}}'] for state in STATES]
+    pool = api_server.engine.runner.kv_cache
+    page_bytes = pool.nbytes // pool.num_pages
+    assert kv_bytes == [count * page_bytes for count in pages]
+    assert sum(kv_bytes) == after["nanoqwen_kv_cache_total_bytes"]
+    resident = after["nanoqwen_resident_memory_bytes"]  # the server runs in this process
+    assert resident == pytest.approx(psutil.Process().memory_info().rss, rel=0.25)
+    assert resident > after["nanoqwen_weight_bytes"] + sum(kv_bytes) > 0
 
 
 # ---------------------------------------------------------------------------- concurrency
@@ -382,6 +394,7 @@ def test_cli_help_documents_every_option() -> None:
         "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--page-size",
         "--kv-cache-memory", "--num-pages", "--chunk-size", "--no-prefix-cache", "--enforce-eager",
         "--max-connections", "--allowed-origins", "--served-model-name", "--write-timeout",
+        "--config",
     ):
         assert option in result.output
     assert "127.0.0.1" in result.output
@@ -389,21 +402,10 @@ def test_cli_help_documents_every_option() -> None:
 
 def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
     # SIGINT (Ctrl-C) takes the same path; one process start is enough.
-    process = subprocess.Popen(
-        [sys.executable, "serve.py", "--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2"],
-        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-    )
+    process, port, log = serve_process("--model", qwen3_dir, "--port", "0", "--max-num-seqs", "2")
     stop_trickling = threading.Event()
     sender = None
     try:
-        port = None
-        log: list[str] = []
-        while port is None:
-            line = process.stderr.readline()
-            assert line, "the server exited before serving:\n" + "".join(log)
-            log.append(line)
-            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line)
-            port = match and int(match.group(1))
         # Where the model runs and what it holds, as chat's banner says it.
         llm = LLM(qwen3_dir, max_num_seqs=2)
         kv = llm.stats()["kv_cache"]

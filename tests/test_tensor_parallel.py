@@ -43,6 +43,7 @@ from nanoqwen.scheduling.request import Request
 from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.quantization import weight_memory_bytes
 from tools.checkpoints import build_qwen2
 from tools.gguf_files import F, all_of, write_gguf
 
@@ -203,6 +204,18 @@ def test_first_step_logits_match_one_device(
     assert logits.shape == (len(prompts), VOCAB)
     # The all-reduces add partial sums in another order than one matmul does.
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_counts_the_weights_of_every_rank(
+    setup: tuple[str, int], engines: Engines, one_device: Callable[[str], LLM]
+) -> None:
+    """Every rank holds a slice of the same size; the norms (and a KV head several ranks
+    share) are whole on each, so the slices add up to more than the whole model."""
+    model_dir, size = setup
+    split = engines.get(model_dir, size)
+    weights = split.stats()["memory"]["weight_bytes"]
+    assert weights == size * weight_memory_bytes(split.engine.runner.model)
+    assert weights > one_device(model_dir).stats()["memory"]["weight_bytes"]
 
 
 def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:

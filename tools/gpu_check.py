@@ -191,7 +191,10 @@ def build_kernels(preset: str, page_size: int) -> dict[str, Any]:
     import torch
 
     from nanoqwen.attention.base import AttentionShape
-    from nanoqwen.attention.flashinfer_backend import FlashInferUnavailable, flashinfer_backend_for
+    from nanoqwen.attention.flashinfer_backend import (
+        FlashInferUnavailable,
+        flashinfer_backend_for,
+    )
 
     try:
         from flashinfer.jit import env as jit_env

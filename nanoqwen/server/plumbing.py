@@ -54,7 +54,11 @@ from urllib.parse import urlsplit
 from nanoqwen.metrics import ServerMetrics
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.server import protocol
-from nanoqwen.server.headers import check_header_lines, check_headers, declared_body_length
+from nanoqwen.server.headers import (
+    check_header_lines,
+    check_headers,
+    declared_body_length,
+)
 from nanoqwen.server.protocol import APIError
 from nanoqwen.server.settings import ServerSettings
 from nanoqwen.server.sockets import (

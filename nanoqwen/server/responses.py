@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoqwen.outputs import RequestOutput
-from nanoqwen.server.logprobs import Scored, chat_logprobs, completion_logprobs, ranked_prompt
+from nanoqwen.server.logprobs import (
+    Scored,
+    chat_logprobs,
+    completion_logprobs,
+    ranked_prompt,
+)
 from nanoqwen.server.plumbing import Event
 from nanoqwen.server.protocol import APIError
 from nanoqwen.server.tools import ToolCallStream, ToolOptions, parse_tool_calls

@@ -29,7 +29,12 @@ from nanoqwen.server.logprobs import (
     parse_completion_logprobs,
     parse_prompt_logprobs,
 )
-from nanoqwen.server.protocol import APIError, GenerationOptions, bad_request, checked_field
+from nanoqwen.server.protocol import (
+    APIError,
+    GenerationOptions,
+    bad_request,
+    checked_field,
+)
 from nanoqwen.server.responses import API, ChatAPI, CompletionsAPI, Reply
 from nanoqwen.server.responses_input import parse_request as parse_response_request
 from nanoqwen.server.responses_output import ID_PREFIX as RESPONSE_ID_PREFIX
