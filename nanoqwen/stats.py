@@ -65,7 +65,6 @@ from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
 from nanoqwen.runner.runner import ModelRunner
 from nanoqwen.scheduling.scheduler import Scheduler
-from nanoqwen.weights.quantization import weight_memory_bytes
 
 Stats = dict[str, dict[str, Any]]
 PAGE_STATES = ("total", "used", "cached", "free")
@@ -148,5 +147,7 @@ def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) 
 def weight_bytes(model: nn.Module) -> int:
     """This rank's weight bytes (`weight_memory_bytes`), counted once per model."""
     if model not in _weight_bytes:
+        from nanoqwen.weights.quantization import weight_memory_bytes
+
         _weight_bytes[model] = weight_memory_bytes(model)
     return _weight_bytes[model]
