@@ -255,3 +255,34 @@ def _bandwidth_table(floor: Metrics) -> Table:
     table.add_row("TPOT P50 (ms)", f"{floor['tpot_ms']:.1f}")
     table.add_row("TPOT over the floor", f"{floor['ratio']:.2f}x")
     return table
+
+
+def print_load_report(console: Console, result: Metrics) -> None:
+    """A run at request rates, in process and through servers (`bench.run_load`): one row
+    per engine and rate."""
+    settings = result["settings"]
+    limit = settings.get("max_concurrency")
+    console.print(
+        f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}), "
+        f"{settings['num_seqs']} requests, "
+        f"scenario {settings['scenario']}, "
+        + (f"at most {limit} in flight, " if limit else "")
+        + f"median of {plural(settings['rounds'], 'round')}"
+    )
+    table = Table(title="Under load: by engine and request rate")
+    for name in ("engine", "rate (req/s)", "output tok/s", "vs engine", "TTFT P50 / P95 (ms)",
+                 "TPOT P50 / P95 (ms)", "goodput (req/s)", "errors", "same text"):
+        table.add_column(name, justify="left" if name == "engine" else "right")
+    ratios = result.get("vs_engine", {})
+    for label, by_rate in result["load"].items():
+        for rate, figures in by_rate.items():
+            ratio = ratios.get(label, {}).get(rate)
+            table.add_row(
+                label, rate, f"{figures['output_tok_s']:.1f}",
+                "" if ratio is None else f"{ratio:.2f}x",
+                _p50_p95(figures["ttft_ms"]), _p50_p95(figures["tpot_ms"]),
+                f"{figures['goodput_req_s']:.2f} ({figures['goodput_share']:.0%})",
+                str(figures.get("errors", 0)),
+                f"{figures['agreement']:.1%}" if "agreement" in figures else "",
+            )
+    console.print(table)
