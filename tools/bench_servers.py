@@ -7,8 +7,9 @@ SIGTERM (SIGKILL if it lingers). nanoqwen's gets the benchmark's engine options 
 a `--config` file, so it runs exactly the engine the offline run measured. vLLM's runs
 with the Python of its own environment (`--peer-python`), the environment the offline
 comparison gives it (`bench_peers.peer_environment`: its own defaults, on the same
-threads), its KV cache sized by `VLLM_CPU_KVCACHE_SPACE` (GiB) unless set already, and
-the dtype, context and batch size of nanoqwen's engine.
+threads, all of them for the model, eagerly, with a KV cache of `VLLM_CPU_KVCACHE_SPACE`
+GiB unless the environment says otherwise), and the dtype, context and batch size of
+nanoqwen's engine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from tools.bench_serving import Endpoint
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_SECONDS = 900.0  # loading a model (and vLLM's start-up) on a busy CPU
 STOP_TIMEOUT_SECONDS = 30.0
-VLLM_KV_CACHE_GIB = "4"
+# As the offline comparison runs vLLM (tools/peers/vllm_runner.py): its model on every
+# thread bench runs (by default its server keeps a core for itself), a KV cache of 4 GiB.
+VLLM_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "4"}
 LOG_TAIL_LINES = 20
 
 
@@ -53,7 +56,7 @@ def vllm_command(python: str, model_dir: str, port: int, dtype: str, max_model_l
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--seed", "0"]
+            "--seed", "0", "--enforce-eager"]
 
 
 @contextmanager
@@ -73,7 +76,8 @@ def vllm_server(python: str, model_dir: str, dtype: str, threads: int, max_model
                 max_num_seqs: int) -> Iterator[Endpoint]:
     """vLLM's OpenAI server in its own environment, for as long as the block runs."""
     environment = peer_environment(threads)
-    environment.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_KV_CACHE_GIB)
+    for name, value in VLLM_ENVIRONMENT.items():
+        environment.setdefault(name, value)
     port = free_port()
     command = vllm_command(python, model_dir, port, dtype, max_model_len, max_num_seqs)
     with running_server(command, environment, port, "vLLM's server") as endpoint:
