@@ -132,8 +132,13 @@ class GenerationHandler(HTTPHandler):
         index_of = {request_id: i for i, request_id in enumerate(submission.request_ids)}
         timeout = self.server.settings.request_timeout
         deadline = None if timeout is None else self.record.start + timeout
+        next_check = 0.0
         while submission.unfinished:
-            self._check_client()
+            # Once per poll period, not per token: a stream's writes notice a gone client
+            # anyway, and every system call a token costs competes with the engine's step.
+            if time.perf_counter() >= next_check:
+                self._check_client()
+                next_check = time.perf_counter() + POLL_SECONDS
             wait = POLL_SECONDS if deadline is None else deadline - time.perf_counter()
             output = submission.next_output(timeout=min(max(wait, 0.0), POLL_SECONDS))
             if output is not None:
