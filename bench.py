@@ -868,7 +868,8 @@ def run_load(
         if servers.endpoint is None:
             runs.engine_rounds(options, index)
         if servers.serve:
-            runs.server_rounds("nanoqwen server", nanoqwen_server(model_dir, options), index)
+            server = nanoqwen_server(model_dir, options, settings["threads"])
+            runs.server_rounds("nanoqwen server", server, index)
         if servers.endpoint is not None:
             runs.server_rounds(servers.endpoint, served_endpoint(servers.endpoint), index)
         if servers.vllm_python is not None:

@@ -738,6 +738,25 @@ def test_the_engine_at_request_rates(tmp_path: Path, qwen3_dir: str) -> None:
 
 
 @pytest.mark.slow
+def test_nanoqwens_server_runs_on_the_benchmarks_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.py gets --threads as the in-process engine does, so the two compare alike."""
+    from contextlib import contextmanager
+
+    import tools.bench_servers as bench_servers
+
+    seen: dict[str, str] = {}
+
+    @contextmanager
+    def fake_server(command: list[str], environment: dict[str, str], port: int, label: str):
+        seen.update(environment)
+        yield None
+
+    monkeypatch.setattr(bench_servers, "running_server", fake_server)
+    with bench_servers.nanoqwen_server("model-dir", {"max_num_seqs": 4}, threads=3):
+        pass
+    assert seen["OMP_NUM_THREADS"] == "3" and seen["PATH"] == os.environ["PATH"]
+
+
 def test_servers_serve_the_same_requests_side_by_side(
     tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,7 +4,8 @@ vLLM's OpenAI server, each in a process of its own, one at a time.
 Each is started on a free local port, waited for until `GET /health` answers (or its
 process exits, which is reported with the tail of its log), driven, and stopped with
 SIGTERM (SIGKILL if it lingers). nanoqwen's gets the benchmark's engine options through
-a `--config` file, so it runs exactly the engine the offline run measured. vLLM's runs
+a `--config` file and the benchmark's thread count through `OMP_NUM_THREADS`, so it runs
+exactly the engine the offline run measured. vLLM's runs
 with the Python of its own environment (`--peer-python`), the environment the offline
 comparison gives it (`bench_peers.peer_environment`: its own defaults, on the same
 threads, all of them for the model, eagerly, with a KV cache of `VLLM_CPU_KVCACHE_SPACE`
@@ -60,13 +61,16 @@ def vllm_command(python: str, model_dir: str, port: int, dtype: str, max_model_l
 
 
 @contextmanager
-def nanoqwen_server(model_dir: str, engine_options: dict[str, Any]) -> Iterator[Endpoint]:
-    """serve.py on `model_dir` with these engine options, for as long as the block runs."""
+def nanoqwen_server(model_dir: str, engine_options: dict[str, Any],
+                    threads: int) -> Iterator[Endpoint]:
+    """serve.py on `model_dir` with these engine options and as many CPU threads as the
+    in-process engine (`--threads`), for as long as the block runs."""
     with tempfile.TemporaryDirectory(prefix="nanoqwen-bench-") as scratch:
         config = Path(scratch) / "engine.json"
         config.write_text(json.dumps(engine_options))
         port = free_port()
-        with running_server(nanoqwen_command(model_dir, port, config), dict(os.environ),
+        environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's default
+        with running_server(nanoqwen_command(model_dir, port, config), environment,
                             port, "nanoqwen's server") as endpoint:
             yield endpoint
 
