@@ -10,9 +10,10 @@ other.
 
 `HostKVPool` is the host side of one `KVCache`: for each of the cache's tensors (the K/V
 numbers, and a quantized cache's scales: `kv_quant.py`) a twin with the same per-page
-layout, `[layers, 2, host pages, ...]`, viewed as bytes, so every storage dtype copies the
-same way; and a free list of its pages. Which request a copy belongs to is the
-scheduler's business (`scheduling/swapping.py`).
+layout, `[layers * 2, host pages, words]`: each page of each layer's K or V is one row of
+raw words (the widest integers that tile it), so every storage dtype copies the same way,
+a word at a time rather than a byte; and a free list of its pages. Which request a copy
+belongs to is the scheduler's business (`scheduling/swapping.py`).
 
 Invariant: free + held host pages == `num_pages`; a host page holds exactly the bytes of
 the device page it was copied from, until it is released.
@@ -29,11 +30,10 @@ class HostKVPool:
     """Pages of a `KVCache`, kept in host memory: `swap_space` bytes' worth."""
 
     def __init__(self, cache: KVCache, swap_space: int) -> None:
-        # As bytes: float8 codes have no index_copy_ on a CPU, and bytes are bytes.
-        self.device_tensors = [t.view(torch.uint8) for t in (cache.kv, cache.scales) if t is not None]
-        self.page_bytes = sum(t[:, :, 0].nbytes for t in self.device_tensors)
+        self.device_tensors = [as_words(t) for t in (cache.kv, cache.scales) if t is not None]
+        self.page_bytes = sum(t[:, 0].nbytes for t in self.device_tensors)
         self.num_pages = swap_space // self.page_bytes
-        self.tensors = [torch.empty((*t.shape[:2], self.num_pages, *t.shape[3:]), dtype=torch.uint8)
+        self.tensors = [torch.empty((t.shape[0], self.num_pages, t.shape[2]), dtype=t.dtype)
                         for t in self.device_tensors]
         self.free = list(range(self.num_pages - 1, -1, -1))
 
@@ -49,7 +49,7 @@ class HostKVPool:
         source = torch.tensor(pages, device=self.device_tensors[0].device)
         target = torch.tensor(host_pages)
         for device, host in zip(self.device_tensors, self.tensors):
-            host.index_copy_(2, target, device.index_select(2, source).cpu())
+            host.index_copy_(1, target, device.index_select(1, source).cpu())
         return host_pages
 
     def swap_in(self, host_pages: list[int], pages: list[int]) -> None:
@@ -57,7 +57,17 @@ class HostKVPool:
         source = torch.tensor(host_pages)
         target = torch.tensor(pages, device=self.device_tensors[0].device)
         for device, host in zip(self.device_tensors, self.tensors):
-            device.index_copy_(2, target, host.index_select(2, source).to(device.device))
+            device.index_copy_(1, target, host.index_select(1, source).to(device.device))
 
     def release(self, host_pages: list[int]) -> None:
         self.free.extend(host_pages)
+
+
+def as_words(pages: torch.Tensor) -> torch.Tensor:
+    """A cache tensor `[layers, 2, pages, ...]` as `[layers * 2, pages, words]`, a view of the
+    same memory (float8 codes, which have no index_copy_ on a CPU, become integers too)."""
+    rows = pages.view(torch.uint8).reshape(pages.shape[0] * pages.shape[1], pages.shape[2], -1)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[-1] % word.itemsize == 0:
+            return rows.view(word)
+    return rows
