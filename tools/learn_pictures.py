@@ -553,12 +553,14 @@ def draw_policies(runs: list[PolicyRun], path: Path) -> None:
         axes.set_yticks(range(len(labels)), labels, fontsize=7)
         axes.invert_yaxis()
         axes.set_title(f"{run.policy}: mean wait for a first step {sum(waits) / len(waits):.1f} "
-                       f"steps (bob and carol: {sum(waits[4:]) / 3:.1f}); {run.preemptions} "
-                       "preemptions", fontsize=9, loc="left")
+                       f"steps (bob and carol: {sum(waits[4:]) / 3:.1f}); preempted for the seat: "
+                       f"{run.preemptions}", fontsize=9, loc="left")
     panels[-1].set_xlabel("engine step (one seat; grey: waiting, colour: computing; the number "
                           "is the finish order)")
     fig.suptitle("The same arrivals under each scheduling policy: alice's four long jobs at "
-                 "step 0, bob's two short ones at step 4, carol's at step 8", fontsize=10)
+                 "step 0, bob's two short ones at step 4, carol's at step 8\n(t: prompt "
+                 "tokens; due: its deadline; p1: priority 1, which only the priority policy "
+                 "reads)", fontsize=10)
     _save(fig, path)
 
 
