@@ -16,7 +16,7 @@ Invariant: a request's key never changes, while it waits or while it runs (the s
 compares running and waiting keys to choose whom to preempt). So once a request has
 waited long enough it outranks every later arrival and cannot be pushed out by them: its
 wait is bounded. The derivation, and why aging by whole levels would not give one key:
-docs/learn/07-preemption-and-priority.md.
+docs/learn/08-preemption-and-priority.md.
 """
 
 from __future__ import annotations
