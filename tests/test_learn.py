@@ -2,22 +2,28 @@
 
 Every note links files and names symbols (`nanoqwen.room.module.Symbol`); a rename that
 forgets a note fails here. Every code block marked `python runnable` runs, on the tiny test
-checkpoints, as part of the suite. And the picture script (`tools/learn_pictures.py`) runs
-on the same checkpoints: what it records of the engine is checked against the engine's own
-invariants, and, where matplotlib is installed, drawn.
+checkpoints, as part of the suite: twice, as a CPU without bf16 units runs it (float32 by
+default) and as one with them does (bfloat16 by default), and CI runs them again on the
+CPU's own kernels (`native_kernels`, tests/conftest.py). And the picture script
+(`tools/learn_pictures.py`) runs on the same checkpoints: what it records of the engine is
+checked against the engine's own invariants, and, where matplotlib is installed, drawn.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
+import nanoqwen.config
 from tools import learn_pictures
+from tools.bench_decode import STEP_PHASES
 
+pytestmark = pytest.mark.native_kernels
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ROOT / "docs" / "learn"
 NOTES = sorted(LEARN.glob("[0-9][0-9]-*.md"))
@@ -61,11 +67,22 @@ def resolve(dotted: str) -> object:
     raise AssertionError(f"{dotted}: no such module")
 
 
-def test_the_path_has_thirteen_notes_in_order() -> None:
-    assert [note.name[:2] for note in NOTES] == [f"{n:02}" for n in range(1, 14)]
+def test_the_notes_are_numbered_from_00_without_gaps() -> None:
+    assert [note.name[:2] for note in NOTES] == [f"{n:02}" for n in range(len(NOTES))]
     index = (LEARN / "README.md").read_text()
     for note in NOTES:
         assert f"]({note.name})" in index, f"the index does not link {note.name}"
+
+
+# The roofline box of note 01, which the notes on speed lean on.
+ROOFLINE = "01-forward-pass-and-kv-cache.md#box-the-roofline"
+LEANS_ON_THE_ROOFLINE = ("10-cuda-graphs", "11-memory-and-load", "12-speculative-decoding",
+                         "13-tensor-parallelism", "14-quantization")
+
+
+@pytest.mark.parametrize("stem", LEANS_ON_THE_ROOFLINE)
+def test_the_notes_on_speed_reuse_the_roofline_box(stem: str) -> None:
+    assert f"]({ROOFLINE})" in (LEARN / f"{stem}.md").read_text()
 
 
 @pytest.mark.parametrize("note", NOTES, ids=lambda p: p.stem)
@@ -148,8 +165,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("cpu_has_bf16", [False, True], ids=["float32-cpu", "bf16-cpu"])
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
-def test_runnable_blocks_run(name: str, code: str, qwen3_dir: str, one_thread: None) -> None:
+def test_runnable_blocks_run(
+    name: str, code: str, cpu_has_bf16: bool, qwen3_dir: str, one_thread: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each block as a reader's CPU runs it: with bf16 units, an engine left to its default
+    computes in bfloat16."""
+    monkeypatch.setattr(nanoqwen.config, "cpu_has_native_bf16", lambda: cpu_has_bf16)
     exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
 
 
@@ -237,6 +261,35 @@ def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]
     assert covered([r.o_proj_columns for r in ranks]) == set(range(shape["heads"] * head_dim))
     assert covered([r.down_columns for r in ranks]) == set(range(shape["intermediate"]))
     assert covered([r.vocab_rows for r in ranks]) >= set(range(shape["vocab"]))
+
+
+def test_step_picture_shows_every_phase_in_order(recorded: dict[str, object]) -> None:
+    steps = recorded["one_step.png"]
+    order = {name: index for index, name in enumerate(STEP_PHASES)}
+    for step in steps:
+        names = [name for name, _, _ in step.phases]
+        assert names == sorted(set(names), key=order.get)  # each phase once, in order
+        assert {"schedule", "prepare", "forward", "sample", "postprocess"} <= set(names)
+        assert "propose" not in names  # a plain engine has no step hooks
+        done = 0.0
+        for _, start, end in step.phases:
+            assert done <= start <= end <= step.total
+            done = end
+    assert max(step.tokens for step in steps) == 64  # the chunk, full, in the first step
+    assert min(step.tokens for step in steps) == 1
+
+
+def test_load_picture_shows_the_queue_growing_past_capacity(recorded: dict[str, object]) -> None:
+    points = recorded["load.png"]
+    assert [point.rate for point in points] == list(learn_pictures.LOAD_RATES)
+    for point in points:
+        assert len(point.ttft) == learn_pictures.LOAD_REQUESTS and min(point.ttft) >= 1
+        assert set(point.tpot) == {1.0}  # a running request gets a token every step
+        throughput = len(point.ttft) / point.steps
+        # Each request holds a seat for LOAD_OUTPUT steps: the seats bound the throughput.
+        assert point.goodput <= throughput <= learn_pictures.LOAD_SEATS / learn_pictures.LOAD_OUTPUT
+    waits = [statistics.median(point.ttft) for point in points]
+    assert waits[0] == 1 and waits[-1] > learn_pictures.TTFT_SLO_STEPS
 
 
 def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> None:
