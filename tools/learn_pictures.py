@@ -561,8 +561,8 @@ def draw_one_step(steps: list[StepTiming], path: Path) -> None:
                       edgecolor="black", lw=0.3, height=0.7)
             if name == "sample":  # the sampled ids' copy: where a GPU makes the host wait
                 axes.plot(end * 1000, y, marker="v", color="black", markersize=6)
-        axes.text(step.total * 1000 + 0.05, y, f"{step.rows} rows, {step.tokens} tokens",
-                  va="center", fontsize=7)
+        rows = f"{step.rows} row{'s' * (step.rows != 1)}, {step.tokens} token{'s' * (step.tokens != 1)}"
+        axes.text(step.total * 1000 + 0.05, y, rows, va="center", fontsize=7)
     axes.invert_yaxis()
     axes.set_yticks(range(len(steps)), [f"step {i}" for i in range(len(steps))], fontsize=7)
     axes.set_xlabel("milliseconds from the start of engine.step() (tiny model, CPU, one thread)")
@@ -580,7 +580,7 @@ def draw_one_step(steps: list[StepTiming], path: Path) -> None:
 # --------------------------------------------------------------------------- 8. load
 # Requests per step arriving as a Poisson process, and the engine that serves them: 4 seats,
 # each request holding one for about LOAD_OUTPUT steps, so about 0.38 requests per step fit.
-LOAD_RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+LOAD_RATES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 LOAD_REQUESTS, LOAD_PROMPT, LOAD_OUTPUT, LOAD_SEATS = 40, 16, 10, 4
 TTFT_SLO_STEPS = 10  # what "good" means for goodput: a first token within 10 steps
 
