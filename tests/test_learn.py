@@ -23,7 +23,6 @@ import nanoqwen.config
 from tools import learn_pictures
 from tools.bench_decode import STEP_PHASES
 
-pytestmark = pytest.mark.native_kernels
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ROOT / "docs" / "learn"
 NOTES = sorted(LEARN.glob("[0-9][0-9]-*.md"))
@@ -165,6 +164,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.native_kernels
 @pytest.mark.parametrize("cpu_has_bf16", [False, True], ids=["float32-cpu", "bf16-cpu"])
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
 def test_runnable_blocks_run(
@@ -193,6 +193,7 @@ def recorded(qwen3_dir: str) -> dict[str, object]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.native_kernels
 def test_page_table_picture_shows_the_pool_as_it_is(recorded: dict[str, object]) -> None:
     snapshot = recorded["page_table.png"]
     size, refs = snapshot.page_size, snapshot.ref_counts
@@ -213,6 +214,7 @@ def test_page_table_picture_shows_the_pool_as_it_is(recorded: dict[str, object])
     assert max(b - a for a, b in zip(csr["qo_indptr"], csr["qo_indptr"][1:])) > 1  # a prefill
 
 
+@pytest.mark.native_kernels
 def test_radix_tree_picture_holds_every_cached_page(recorded: dict[str, object]) -> None:
     tree, num_pages = recorded["radix_tree.png"]
     nodes = list(learn_pictures._walk(tree))
@@ -222,6 +224,7 @@ def test_radix_tree_picture_holds_every_cached_page(recorded: dict[str, object])
     assert "helpful assistant" in tree.children[0].text
 
 
+@pytest.mark.native_kernels
 def test_timeline_picture_keeps_the_prefill_budget(recorded: dict[str, object]) -> None:
     timeline, chunk_size = recorded["chunked_prefill.png"]
     assert all(sum(n for _, n in step.prefills) <= chunk_size for step in timeline)
@@ -235,6 +238,7 @@ def test_timeline_picture_keeps_the_prefill_budget(recorded: dict[str, object]) 
     assert (steps_of["req-4"], steps_of["req-5"]) == (5, 3)
 
 
+@pytest.mark.native_kernels
 def test_speculation_picture_shows_both_outcomes(recorded: dict[str, object]) -> None:
     verifications = recorded["speculation.png"]
     assert all(0 <= v.num_accepted <= v.num_proposed for v in verifications)
@@ -243,6 +247,7 @@ def test_speculation_picture_shows_both_outcomes(recorded: dict[str, object]) ->
     assert any(v.num_accepted < v.num_proposed for v in guessed)
 
 
+@pytest.mark.native_kernels
 def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]) -> None:
     ranks, shape = recorded["tensor_parallel.png"]
     head_dim = shape["head_dim"]
@@ -263,6 +268,7 @@ def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]
     assert covered([r.vocab_rows for r in ranks]) >= set(range(shape["vocab"]))
 
 
+@pytest.mark.native_kernels
 def test_step_picture_shows_every_phase_in_order(recorded: dict[str, object]) -> None:
     steps = recorded["one_step.png"]
     order = {name: index for index, name in enumerate(STEP_PHASES)}
@@ -279,6 +285,7 @@ def test_step_picture_shows_every_phase_in_order(recorded: dict[str, object]) ->
     assert min(step.tokens for step in steps) == 1
 
 
+@pytest.mark.native_kernels
 def test_load_picture_shows_the_queue_growing_past_capacity(recorded: dict[str, object]) -> None:
     points = recorded["load.png"]
     assert [point.rate for point in points] == list(learn_pictures.LOAD_RATES)
@@ -292,6 +299,7 @@ def test_load_picture_shows_the_queue_growing_past_capacity(recorded: dict[str, 
     assert waits[0] == 1 and waits[-1] > learn_pictures.TTFT_SLO_STEPS
 
 
+@pytest.mark.native_kernels
 def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> None:
     history = recorded["kv_pool.png"]
     totals = {step.used + step.cached + step.free for step in history}

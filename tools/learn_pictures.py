@@ -39,7 +39,7 @@ from tools.bench_decode import STEP_PHASES, observe
 
 IMAGE_DIR = Path(__file__).resolve().parents[1] / "docs" / "learn" / "img"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-FLOAT32 = dict(dtype="float32")  # every engine here: the same pictures on every CPU
+FLOAT32 = {"dtype": "float32"}  # every engine here: the same pictures on every CPU
 
 
 class StepRecorder:
