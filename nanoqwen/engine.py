@@ -148,8 +148,8 @@ class LLMEngine:
         deadline: float | None = None,
         user: str | None = None,
     ) -> str:
-        """Queue a prompt; returns its id. A lower `priority` is served sooner; `deadline`
-        is seconds from now it should be done by; `user`, who sent it (`scheduling/`).
+        """Queue a prompt; returns its id. Scheduling (`scheduling/`): `priority`, lower sooner;
+        `deadline`, seconds from now it should be done by; `user`, who sent it.
 
         `params` are `SamplingParams` (settings left out take the model's recommended ones,
         `sampling_defaults`), or `PoolingParams` for the prompt's embedding instead of a

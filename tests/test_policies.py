@@ -186,6 +186,8 @@ def test_deadlines_are_counted_met_or_missed(qwen2_dir: str) -> None:
     llm = LLM(qwen2_dir)  # counted under every policy, fcfs too
     prompts = random_prompts(VOCAB, [5, 6, 7], seed=72)
     llm.generate(prompts, greedy(2), deadline=[1e-9, 3600, None])
+    # Aborted in time: it did not finish, so it met nothing (late, it would count as missed).
+    llm.engine.abort(llm.engine.add_request(prompts[0], greedy(2), deadline=3600))
     requests = llm.stats()["requests"]
     assert (requests["deadlines_met"], requests["deadlines_missed"]) == (1, 1)
 

@@ -4,7 +4,7 @@ Preemption by recompute throws a request's K/V away and computes it again later.
 keeps a copy instead: the pages are copied out to a pool in host memory, the device pages
 are freed for others, and when the request resumes the copy comes back into fresh device
 pages. It trades bus (on a CPU, memory) bandwidth and `swap_space` bytes of RAM for the
-prefill compute (docs/learn/07-preemption-and-priority.md measures both). Each copy gathers
+prefill compute (docs/learn/08-preemption-and-priority.md measures both). Each copy gathers
 the pages into one block on one side, moves it in one transfer, and scatters it on the
 other.
 

@@ -25,7 +25,7 @@ unfinished ones (`UserLimitExceeded`; a server answers it with a 429).
 
 Invariant: a key never changes once given; a user's unfinished requests are counted from
 the requests themselves, so a finished or aborted one stops counting without being told.
-The story: docs/learn/07-preemption-and-priority.md.
+The story: docs/learn/08-preemption-and-priority.md.
 """
 
 from __future__ import annotations

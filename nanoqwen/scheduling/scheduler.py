@@ -24,9 +24,8 @@ only as far as free or evictable pages allow, and `rollback` forgets K/V past a 
 Invariants: between steps a running request holds exactly the pages its computed tokens
 fill, and only tokens a request has are ever offered to the prefix cache; a request is
 never displaced by one of equal or lower aged priority, so nothing ping-pongs and no wait
-is unbounded. Preemptions are counted by cause ("kv_pages", "max_num_seqs"), and requests
-with a deadline by whether they finished by it. The story: docs/learn/02-continuous-batching.md,
-05-chunked-prefill.md and 07-preemption-and-priority.md.
+is unbounded. Preemptions are counted by cause ("kv_pages", "max_num_seqs"). The story:
+docs/learn/02-continuous-batching.md, 06-chunked-prefill.md and 08-preemption-and-priority.md.
 """
 
 from __future__ import annotations
@@ -111,8 +110,8 @@ class Scheduler:
             self.waiting.remove(request)
         self._release_pages(request)
         request.status, request.finish_reason = Status.FINISHED, reason
-        if request.due is not None:
-            self.deadlines["missed" if time.monotonic() > request.due else "met"] += 1
+        if request.due is not None and (reason != "abort" or time.monotonic() > request.due):
+            self.deadlines["met" if time.monotonic() <= request.due else "missed"] += 1
 
     def _release_pages(self, request: Request) -> None:
         self._offer_to_cache(request)

@@ -1,22 +1,21 @@
 """Who goes next: a policy gives each request one sortable key; a heap holds the waiting ones.
 
-A policy's `urgency` turns a request into a key once, when it arrives; smaller is more
-urgent. Here, "fcfs" (arrival order) and "priority": a request's `priority` (lower is more
-urgent, 0 by default) *ages*, improving by one level per `aging_steps` steps of waiting, so
-no request waits forever. The key
+A policy's `urgency` keys a request as it arrives (smaller: more urgent). Here "fcfs" and
+"priority", whose `priority` (lower first) *ages* a level per `aging_steps` steps. The key
 
     level * aging_steps + arrival_step        (then arrival order, to break ties)
 
-orders requests exactly as their effective levels do at every step: compare two at step
-`t` and `t` cancels, so the heap never needs re-sorting. With `aging_steps = 0` the key is
-the level itself; "fcfs" is every level 0. `policies.py` (deadlines, shortest prompt, fair
-turns between users) gives other levels or keys, imported only when an engine uses them.
+orders requests as their effective levels do at every step: compare two at step `t` and
+`t` cancels, so the heap never needs re-sorting. With `aging_steps = 0` the key is the
+level itself; "fcfs" is every level 0. `policies.py` (deadlines, shortest prompt, fair turns
+between users) gives other levels or keys, imported only when an engine uses them.
 
 Invariant: a request's key never changes, while it waits or while it runs (the scheduler
-compares running and waiting keys to choose whom to preempt). So once a request has
-waited long enough it outranks every later arrival and cannot be pushed out by them: its
-wait is bounded. The derivation, and why aging by whole levels would not give one key:
-docs/learn/07-preemption-and-priority.md.
+compares running and waiting keys to choose whom to preempt). A later arrival's key is at
+least `min(PRIORITY_RANGE) * aging_steps` plus its arrival step, so arrivals from step
+`key - min(PRIORITY_RANGE) * aging_steps` on rank below a waiting request: its wait is
+bounded (unbounded priorities would let a client starve everyone). The derivation, and
+why aging by whole levels would not give one key: docs/learn/08-preemption-and-priority.md.
 """
 
 from __future__ import annotations
@@ -26,6 +25,9 @@ import math
 
 from nanoqwen.scheduling.request import Request, Urgency
 
+# The priorities a request may ask for (lower is served sooner): bounded, so aging bounds waits.
+PRIORITY_RANGE = range(-10, 11)
+
 
 class Policy:
     """"fcfs" and "priority" (see the module docstring); other policies subclass it."""
@@ -34,10 +36,12 @@ class Policy:
         self.name, self.aging_steps = name, aging_steps if name != "fcfs" else 0
 
     def check(self, priority: object, deadline: object, user: object) -> None:
-        """A ValueError unless a request's scheduling fields are ones this engine honours (an
-        fcfs engine refuses a non-zero priority rather than silently ignore it)."""
+        """A ValueError unless this engine honours the fields (a priority only "priority")."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority not in PRIORITY_RANGE:
+            low, high = PRIORITY_RANGE[0], PRIORITY_RANGE[-1]
+            raise ValueError(f"priority must be in [{low}, {high}], got {priority}")
         if priority != 0 and self.name != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
                              f"(this engine's is {self.name!r})")
@@ -46,9 +50,8 @@ class Policy:
         if user is not None and not isinstance(user, str):
             raise ValueError(f"user must be a string, got {user!r}")
 
-    def urgency(
-        self, request: Request, step: int, arrival: int, level: float | None = None
-    ) -> Urgency:
+    def urgency(self, request: Request, step: int, arrival: int,
+                level: float | None = None) -> Urgency:
         """The key of `request`, arriving at `step` as the `arrival`-th request, ranked by
         `level` (another policy's), by default its priority (0 under fcfs)."""
         level = request.priority if level is None else level
