@@ -25,8 +25,10 @@ from nanoqwen.config import SCHEDULING_POLICIES, EngineConfig
 from nanoqwen.scheduling.policies import (
     EarliestDeadline,
     FairShare,
+    PerUserCap,
     ShortestPrompt,
     UserLimitExceeded,
+    make_policy,
 )
 from nanoqwen.scheduling.request import Request, Status
 
@@ -165,19 +167,28 @@ def test_a_request_without_a_deadline_is_due_after_the_default(qwen2_dir: str) -
     assert finish_order(engine) == [running, sooner, undated, later]
 
 
+OUTPUT_PROMPTS = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38], seed=71)
+
+
+@pytest.fixture(scope="module")
+def unhurried_outputs(qwen2_dir: str) -> list[list[int]]:
+    """An fcfs run with room for everyone: the outputs every policy must give."""
+    return [o.token_ids for o in LLM(qwen2_dir).generate(OUTPUT_PROMPTS, greedy(16))]
+
+
 @pytest.mark.parametrize("policy", SCHEDULING_POLICIES)
-def test_no_policy_changes_an_output(qwen2_dir: str, policy: str) -> None:
+def test_no_policy_changes_an_output(
+    qwen2_dir: str, unhurried_outputs: list[list[int]], policy: str
+) -> None:
     """Greedy outputs under every policy, through preemptions for pages, equal an
     unhurried fcfs run's."""
-    prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38], seed=71)
-    fcfs = LLM(qwen2_dir).generate(prompts, greedy(16))
     engine = LLMEngine(qwen2_dir, scheduling_policy=policy, num_pages=8, chunk_size=48,
                        max_num_seqs=4, priority_aging_steps=8)
     ids = [engine.add_request(prompt, greedy(16), deadline=deadline, user=user)
-           for prompt, deadline, user in zip(prompts, [30, 10, 20, None, 5, 40],
+           for prompt, deadline, user in zip(OUTPUT_PROMPTS, [30, 10, 20, None, 5, 40],
                                               ["a", "b", "a", "a", None, "b"])]
     final = run_to_completion(engine)  # checking the page accounting after every step
-    assert [final[i].token_ids for i in ids] == [o.token_ids for o in fcfs]
+    assert [final[i].token_ids for i in ids] == unhurried_outputs
     assert engine.stats()["requests"]["preemptions"] > 0
 
 
@@ -239,11 +250,14 @@ def test_a_user_past_the_cap_is_refused(qwen2_dir: str) -> None:
 
 def test_the_engine_picks_the_policy_class(qwen2_dir: str) -> None:
     """fcfs is the core's own (test_architecture checks that a plain engine imports no
-    policy module); the others come from policies.py."""
+    policy module); the others come from policies.py, capped per user when asked."""
     assert type(LLMEngine(qwen2_dir).scheduler.policy).__module__.endswith("waiting_queue")
+    assert isinstance(LLMEngine(qwen2_dir, scheduling_policy="fair").scheduler.policy, FairShare)
     for policy, kind in (("deadline", EarliestDeadline), ("sjf", ShortestPrompt),
                          ("fair", FairShare)):
-        assert isinstance(LLMEngine(qwen2_dir, scheduling_policy=policy).scheduler.policy, kind)
+        assert isinstance(make_policy(policy, 8, 60.0, None, None), kind)
+        capped = make_policy(policy, 8, 60.0, None, 2)
+        assert isinstance(capped, PerUserCap) and isinstance(capped.policy, kind)
 
 
 def test_command_line_options() -> None:
