@@ -21,7 +21,9 @@ around the run; a split model's other ranks start beside this one (`parallel/`).
 them is imported unless used.
 
 Invariant: every request is waiting, running or finished, in exactly one place; a step
-that fails after scheduling raises `StepError` and leaves its requests as they were.
+that fails after scheduling raises `StepError` and leaves its requests as they were. A
+feature that cannot go on with one request (a grammar with no way forward) sets its
+`error`, and the step ends that request alone (finish_reason "error").
 `LLM` (`llm.py`) is the offline interface on top. The story:
 docs/learn/02-continuous-batching.md.
 """
@@ -129,7 +131,7 @@ class LLMEngine:
         self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
@@ -256,6 +258,8 @@ class LLMEngine:
         """Append tokens one at a time; the first that ends the request drops the rest."""
         if request.pooling is not None:  # its prompt is computed: the embedding is ready
             return self._finish(request, "stop")
+        if request.error is not None:  # a feature cannot go on with it: its token is moot
+            return self._finish(request, "error")
         delta = ""
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
@@ -311,6 +315,7 @@ class LLMEngine:
                 None if request.prompt_logprobs is None else [None, *request.prompt_logprobs]
             ),
             embedding=None if request.embedding is None else request.embedding.tolist(),
+            error=request.error,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -342,6 +347,9 @@ class LLMEngine:
         return self.cache.reset() if self.cache else 0
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a split model, if any (idempotent)."""
+        """Stop the other ranks of a split model, and the grammar compiler's worker process,
+        if any (idempotent)."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.workers is not None:
             self.workers.shutdown()

@@ -60,6 +60,9 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
     num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
     finish_reason: str | None = None
+    # Why a feature could not go on with it (a grammar that allows no next token): the
+    # engine then ends it, alone, with finish_reason "error", before appending its token.
+    error: str | None = None
     priority: int = 0  # lower is more urgent
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
     state_slot: int | None = None  # its slot of the state pool (models with recurrent layers)
