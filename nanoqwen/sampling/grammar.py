@@ -23,7 +23,7 @@ vLLM and SGLang use, with the same library (xgrammar), works token by token:
 in bytes (`CACHE_BYTES`); the same schema sent again costs a lookup. Compiling a hostile
 grammar can take minutes and gigabytes, and native code cannot be interrupted, so a
 server compiles under a `CompileBudget`: the grammar is first compiled in a worker
-process that is killed past the budget's time or memory, or when the caller gives up
+process, stopped past the budget's time or memory, or when the caller gives up
 (`grammar_sandbox.py`), and only a grammar that passed is compiled here, one at a time,
 on a thread of its own. Masks are filled on the host and applied where the logits live.
 Invariant: a matcher has accepted exactly the request's generated tokens.
@@ -118,6 +118,7 @@ class GrammarCompiler:
         self._alive: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._lane = threading.Lock()  # one bounded compile at a time
         self._sandbox: Any = None  # grammar_sandbox.Sandbox, once a budget asks for one
+        self._closed = threading.Event()  # set by `close`: bounded compiles give up
 
     def compile(
         self, spec: StructuredOutput, budget: CompileBudget | None = None,
@@ -143,25 +144,31 @@ class GrammarCompiler:
         return xgrammar.GrammarMatcher(self.compile(spec))
 
     def close(self) -> None:
-        """Stop the sandbox's worker, if any: a compile waiting on it fails at once."""
-        if self._sandbox is not None:
-            self._sandbox.close()
+        """Give up the bounded compiles under way (their callers get a RuntimeError, or
+        what their own check raises) and refuse new ones."""
+        self._closed.set()
 
     def _compile_bounded(
         self, key: str, spec: StructuredOutput, budget: CompileBudget, check: Callable[[], None]
     ) -> Any:
         """Vet `spec` in the sandbox, then compile it here (module docstring), one grammar
         at a time: the lane is held from the vetting until the compile here is done."""
-        from nanoqwen.sampling.grammar_sandbox import POLL_SECONDS, Sandbox, wait_for
+        from nanoqwen.sampling.grammar_sandbox import POLL_SECONDS, sandbox_for, wait_for
 
-        wait_for(lambda: self._lane.acquire(timeout=POLL_SECONDS), check)
+        def go_on() -> None:  # the caller's check, then this compiler's own
+            check()
+            if self._closed.is_set():
+                raise RuntimeError("the grammar compiler has stopped")
+
+        go_on()
+        wait_for(lambda: self._lane.acquire(timeout=POLL_SECONDS), go_on)
         try:
             compiled = self._cached(key)  # compiled while this waited for the lane
             if compiled is None:
                 if self._sandbox is None:
                     self._xgrammar()
-                    self._sandbox = Sandbox(self._info.serialize_json())
-                self._sandbox.vet(spec, budget, check)
+                    self._sandbox = sandbox_for(self._info.serialize_json())
+                self._sandbox.vet(spec, budget, go_on)
         except BaseException:
             self._lane.release()
             raise
@@ -171,7 +178,7 @@ class GrammarCompiler:
         done: Future = Future()
         threading.Thread(target=self._compile_vetted, args=(key, spec, done),
                          name="nanoqwen-grammar", daemon=True).start()
-        return wait_for(lambda: _result(done, POLL_SECONDS), check)
+        return wait_for(lambda: _result(done, POLL_SECONDS), go_on)
 
     def _compile_vetted(self, key: str, spec: StructuredOutput, done: Future) -> None:
         """Compile a grammar the sandbox passed, whether or not its caller still waits (it
@@ -210,9 +217,10 @@ class GrammarCompiler:
             return self._compiler
 
 
-def make_compiler(info: xgrammar.TokenizerInfo) -> xgrammar.GrammarCompiler:
-    """xgrammar's compiler, without its own cache (`GrammarCompiler` keeps one)."""
-    return xgrammar.GrammarCompiler(info, cache_enabled=False)
+def make_compiler(info: xgrammar.TokenizerInfo, max_threads: int = 8) -> xgrammar.GrammarCompiler:
+    """xgrammar's compiler (on up to `max_threads` threads, its default), without its own
+    cache (`GrammarCompiler` keeps one)."""
+    return xgrammar.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
 
 def _result(done: Future, timeout: float) -> Any:

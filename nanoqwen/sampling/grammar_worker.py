@@ -1,11 +1,18 @@
-"""The grammar sandbox's worker process: compile what it is sent, within a memory budget.
+"""The grammar sandbox's worker process: compile what it is sent, each grammar in a child.
 
-Started as `python -m nanoqwen.sampling.grammar_worker` by `grammar_sandbox.Sandbox`,
-which reads its answers and kills it past a compile's time budget; the protocol is
-described there. Memory is capped here, per compile, by `RLIMIT_DATA` (the process's
-heap and private mappings): set to what the worker holds plus the budget before each
-compile, lifted after, so an allocation past the budget fails (xgrammar raises
-`std::bad_alloc`) and is answered as such. A worker whose server is gone exits.
+Started as `python -m nanoqwen.sampling.grammar_worker` by `grammar_sandbox.Sandbox`
+(the protocol is described there). Starting Python with xgrammar takes seconds, so the
+worker starts once, reads the vocabulary once, and forks a child for each grammar: the
+child has it all at once, compiles, answers through a pipe and exits. A compile that must
+stop (past its time, its client gone: the server sends a line) is stopped by killing the
+child, which costs the worker nothing; and whatever memory a compile took leaves with
+its child.
+
+Memory is capped in the child by `RLIMIT_DATA` (the process's heap and private
+mappings), set to what it holds plus the budget, so an allocation past the budget fails
+(xgrammar raises `std::bad_alloc`) and is answered as such. The worker is one thread,
+so forking it is safe. When its server is gone (its input closes), the worker stops the
+compile under way and exits.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ import json
 import os
 import re
 import resource
+import select
+import signal
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +36,42 @@ MAX_MESSAGE_CHARS = 2000  # an error quotes the grammar: keep the answer a short
 
 
 def main() -> None:
-    threading.Thread(target=exit_with, args=(os.getppid(),), daemon=True).start()
     reply({"ready": True})
-    compiler = make_compiler(xgrammar.TokenizerInfo.deserialize_json(sys.stdin.readline()))
-    for line in sys.stdin:
+    # One thread: a pool's threads would not survive the fork into the child.
+    compiler = make_compiler(xgrammar.TokenizerInfo.deserialize_json(sys.stdin.readline()), 1)
+    while line := sys.stdin.readline():
         request = json.loads(line)
-        reply(vet(compiler, StructuredOutput(**request["spec"]), request["memory_bytes"]))
+        reply(compile_in_child(compiler, StructuredOutput(**request["spec"]),
+                               request["memory_bytes"]))
+
+
+def compile_in_child(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput,
+                     memory_bytes: int) -> dict[str, Any]:
+    """Fork a child to compile `spec`; what the child answered, or how it exited."""
+    answers, answer_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:  # whatever happens, the child never returns into the worker's loop
+            os.close(answers)
+            os.write(answer_end, json.dumps(vet(compiler, spec, memory_bytes)).encode())
+        finally:
+            os._exit(0)
+    os.close(answer_end)
+    if sys.stdin in select.select([answers, sys.stdin], [], [])[0]:
+        # The server cancels (a line) or is gone (the end of the input).
+        os.kill(child, signal.SIGKILL)  # not reaped yet: the pid is still the child's
+        if not sys.stdin.readline():
+            sys.exit(0)
+    with os.fdopen(answers, "rb") as pipe:
+        answer = pipe.read()
+    status = os.waitpid(child, 0)[1]
+    return json.loads(answer) if answer else {"exited": os.waitstatus_to_exitcode(status)}
 
 
 def vet(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput, memory_bytes: int
         ) -> dict[str, Any]:
-    """Compile `spec` with at most `memory_bytes` more memory: what to answer."""
-    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    """Compile `spec` with at most `memory_bytes` more memory (in the child): the answer."""
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
     limit = data_bytes() + memory_bytes
     resource.setrlimit(resource.RLIMIT_DATA,
                        (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
@@ -53,8 +84,6 @@ def vet(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput, memory_bytes
         cause = error.__cause__
         ran_out = isinstance(cause, MemoryError) or "bad_alloc" in str(cause)
         return {"error": str(error)[:MAX_MESSAGE_CHARS], "memory": ran_out}
-    finally:
-        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
 
 
 def data_bytes() -> int:
@@ -66,13 +95,6 @@ def data_bytes() -> int:
 def reply(message: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
-
-
-def exit_with(parent: int) -> None:
-    """End this process once its parent has gone (it is then some other's child)."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 if __name__ == "__main__":
