@@ -281,8 +281,8 @@ def test_compiling_holds_a_queue_slot_and_stops_when_the_client_leaves(
 
 @pytest.mark.slow  # a server of its own, and its compiler's worker, start: seconds
 def test_sigterm_during_a_compile_exits_within_seconds(qwen3_dir: str) -> None:
-    process, port, _ = serve_process("--model", qwen3_dir, "--port", "0",
-                                     "--grammar-compile-timeout", "600")
+    process, port, _ = serve_process("--model", qwen3_dir, "--port", "0", "--served-model-name",
+                                     MODEL, "--grammar-compile-timeout", "600")
     server = psutil.Process(process.pid)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
     try:
