@@ -36,9 +36,12 @@ from server_helpers import (
 
 from nanoqwen import LLM, SamplingParams, StructuredOutput
 from nanoqwen.sampling import grammar
-from nanoqwen.sampling.structured import CompileBudget
 from nanoqwen.server import OpenAIServer
-from nanoqwen.server.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_CHOICES, MAX_GRAMMAR_DEPTH
+from nanoqwen.server.structured import (
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_CHOICES,
+    MAX_GRAMMAR_DEPTH,
+)
 from nanoqwen.server.tools import MAX_TOOLS
 
 ENGINE = dict(dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
@@ -303,7 +306,8 @@ def test_sigterm_during_a_compile_exits_within_seconds(qwen3_dir: str) -> None:
         assert process.returncode == 0
         assert isinstance(answers[0], (openai.APIStatusError, openai.APIConnectionError))
         for gone in (worker, compile_):  # the compile stopped with its server
-            wait_until(lambda: not gone.is_running() or gone.status() == psutil.STATUS_ZOMBIE)
+            wait_until(lambda gone=gone: not gone.is_running()
+                       or gone.status() == psutil.STATUS_ZOMBIE)
         print(f"SIGTERM during a compile: stopped in {stopped_in:.1f} s")
     finally:
         client.close()

@@ -153,7 +153,11 @@ class GrammarCompiler:
     ) -> Any:
         """Vet `spec` in the sandbox, then compile it here (module docstring), one grammar
         at a time: the lane is held from the vetting until the compile here is done."""
-        from nanoqwen.sampling.grammar_sandbox import POLL_SECONDS, sandbox_for, wait_for
+        from nanoqwen.sampling.grammar_sandbox import (
+            POLL_SECONDS,
+            sandbox_for,
+            wait_for,
+        )
 
         def go_on() -> None:  # the caller's check, then this compiler's own
             check()
