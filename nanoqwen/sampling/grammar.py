@@ -269,6 +269,9 @@ class GrammarMasks(LogitsProcessor):
                 requests[row].grammar.fill_next_token_bitmask(bitmask, row)
             except Exception as error:  # a matcher in a state it cannot leave
                 requests[row].error = f"the structured output's grammar failed: {error}"
+        # A mask that allows nothing sets every logit to -inf, and the draw still returns
+        # a token (the first), which the matcher then refuses: such a row is not masked,
+        # and its request ends instead.
         allows_some = bitmask.any(dim=-1).tolist()
         for row in rows:
             if not allows_some[row] and requests[row].error is None:
