@@ -133,7 +133,6 @@ class LLMEngine:
         )
         for hook in self.step_hooks:
             hook.attach(self, partners)
-        self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
@@ -186,18 +185,6 @@ class LLMEngine:
         self.scheduler.add(request)
         self.num_prompt_tokens += len(prompt.token_ids)
         return request_id
-
-    @property
-    def grammars(self) -> Any:
-        """The structured-output compiler (`sampling/grammar.py`), made on first use."""
-        if self._grammars is None:
-            from nanoqwen.sampling.grammar import GrammarCompiler
-
-            self._grammars = GrammarCompiler(
-                self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
-                self.tokenizer.eos_token_ids,
-            )
-        return self._grammars
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """A prompt's token ids, checked to fit this engine, or a ValueError saying why not.
@@ -356,9 +343,6 @@ class LLMEngine:
         return self.cache.reset() if self.cache else 0
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a split model, and the grammar compiler's worker process,
-        if any (idempotent)."""
-        if self._grammars is not None:
-            self._grammars.close()
+        """Stop the other ranks of a split model, if any (idempotent)."""
         if self.workers is not None:
             self.workers.shutdown()

@@ -3,9 +3,8 @@
 A request's output carries both its whole text so far and what changed in this step
 (`delta_text`, `delta_token_ids`): a script reads the last one, a stream sends the deltas
 (and the last `len(delta_token_ids)` entries of `logprobs`, when it asked for them).
-`finished` is set once, on the last output, with the reason the request ended: "error"
-when a feature could not go on with it (its `error` says why), which ends that request
-alone, never the others of its step.
+`finished` is set once, on the last output, with the reason the request ended ("error":
+a feature could not go on with it, and it alone ended; `error` says why).
 """
 
 from __future__ import annotations

@@ -118,7 +118,6 @@ class GrammarCompiler:
         self._alive: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._lane = threading.Lock()  # one bounded compile at a time
         self._sandbox: Any = None  # grammar_sandbox.Sandbox, once a budget asks for one
-        self._closed = threading.Event()  # set by `close`: bounded compiles give up
 
     def compile(
         self, spec: StructuredOutput, budget: CompileBudget | None = None,
@@ -143,11 +142,6 @@ class GrammarCompiler:
         """A fresh matcher at the start of the grammar, for one request."""
         return xgrammar.GrammarMatcher(self.compile(spec))
 
-    def close(self) -> None:
-        """Give up the bounded compiles under way (their callers get a RuntimeError, or
-        what their own check raises) and refuse new ones."""
-        self._closed.set()
-
     def _compile_bounded(
         self, key: str, spec: StructuredOutput, budget: CompileBudget, check: Callable[[], None]
     ) -> Any:
@@ -159,20 +153,14 @@ class GrammarCompiler:
             wait_for,
         )
 
-        def go_on() -> None:  # the caller's check, then this compiler's own
-            check()
-            if self._closed.is_set():
-                raise RuntimeError("the grammar compiler has stopped")
-
-        go_on()
-        wait_for(lambda: self._lane.acquire(timeout=POLL_SECONDS), go_on)
+        wait_for(lambda: self._lane.acquire(timeout=POLL_SECONDS), check)
         try:
             compiled = self._cached(key)  # compiled while this waited for the lane
             if compiled is None:
                 if self._sandbox is None:
                     self._xgrammar()
                     self._sandbox = sandbox_for(self._info.serialize_json())
-                self._sandbox.vet(spec, budget, go_on)
+                self._sandbox.vet(spec, budget, check)
         except BaseException:
             self._lane.release()
             raise
@@ -182,7 +170,7 @@ class GrammarCompiler:
         done: Future = Future()
         threading.Thread(target=self._compile_vetted, args=(key, spec, done),
                          name="nanoqwen-grammar", daemon=True).start()
-        return wait_for(lambda: _result(done, POLL_SECONDS), go_on)
+        return wait_for(lambda: _result(done, POLL_SECONDS), check)
 
     def _compile_vetted(self, key: str, spec: StructuredOutput, done: Future) -> None:
         """Compile a grammar the sandbox passed, whether or not its caller still waits (it
@@ -219,6 +207,21 @@ class GrammarCompiler:
                 )
                 self._compiler = make_compiler(self._info)
             return self._compiler
+
+
+def compiler_for(engine: Any) -> GrammarCompiler:
+    """The grammar compiler of `engine` (an `LLMEngine`), made on first use: an engine that
+    never sees a grammar never pays for one."""
+    with _COMPILERS_LOCK:
+        if engine not in _COMPILERS:
+            _COMPILERS[engine] = GrammarCompiler(engine.tokenizer.hf_tokenizer,
+                                                 engine.model_config.vocab_size,
+                                                 engine.tokenizer.eos_token_ids)
+        return _COMPILERS[engine]
+
+
+_COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
 
 
 def make_compiler(info: xgrammar.TokenizerInfo, max_threads: int = 8) -> xgrammar.GrammarCompiler:

@@ -6,10 +6,10 @@
   and a file descriptor; one more is answered `503` from the accepting thread, without a
   thread of its own, and closed.
 * **Shutdown.** `server_close()` stops the engine loop (every request in flight gets its
-  final answer) and the engine (a grammar compiling in its worker process stops), gives
-  the handlers `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts the sockets of
-  those still at it (a client that reads nothing, or sends a byte a second)
-  so that their threads end too: stopping takes seconds whatever the clients do.
+  final answer, and a grammar compiling for one is stopped), gives the handlers
+  `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts the sockets of those still at it
+  (a client that reads nothing, or sends a byte a second) so that their threads end too:
+  stopping takes seconds whatever the clients do.
 * **Reads and writes.** Each connection must deliver its request within `read_timeout`,
   and take its answer at a pace that never stalls for `write_timeout` (see `plumbing`), so
   an idle connection holds its slot, and its request its KV pages, only that long.
@@ -121,7 +121,6 @@ class OpenAIServer(ThreadingHTTPServer):
     def server_close(self) -> None:
         if self.engine_loop is not None:
             self.engine_loop.stop()
-            self.engine.shutdown()  # a grammar compiling in its worker process stops too
         with self._connections_changed:
             self._connections_changed.wait_for(
                 lambda: not self._connections, timeout=SHUTDOWN_GRACE_SECONDS

@@ -120,8 +120,11 @@ def compile_grammar(
     """Compile the grammar within `budget` (`check` may raise to give up); the compiled
     grammar, which the caller holds until the engine has the request (the engine finds it
     by its spec), or a 400 naming the field, or the tool, at fault."""
+    # Imported here: only a request with a grammar needs xgrammar.
+    from nanoqwen.sampling.grammar import compiler_for
+
     def compile(spec: StructuredOutput) -> Any:
-        return engine.grammars.compile(spec, budget, check)
+        return compiler_for(engine).compile(spec, budget, check)
 
     try:
         return compile(grammar.spec)
