@@ -21,7 +21,9 @@ around the run; a split model's other ranks start beside this one (`parallel/`).
 them is imported unless used.
 
 Invariant: every request is waiting, running or finished, in exactly one place; a step
-that fails after scheduling raises `StepError` and leaves its requests as they were.
+that fails after scheduling raises `StepError` and leaves its requests as they were. A
+feature that cannot go on with one request (a grammar with no way forward) sets its
+`error`, and the step ends that request alone (finish_reason "error").
 `LLM` (`llm.py`) is the offline interface on top. The story:
 docs/learn/02-continuous-batching.md.
 """
@@ -131,10 +133,9 @@ class LLMEngine:
         )
         for hook in self.step_hooks:
             hook.attach(self, partners)
-        self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
@@ -184,18 +185,6 @@ class LLMEngine:
         self.scheduler.add(request)
         self.num_prompt_tokens += len(prompt.token_ids)
         return request_id
-
-    @property
-    def grammars(self) -> Any:
-        """The structured-output compiler (`sampling/grammar.py`), made on first use."""
-        if self._grammars is None:
-            from nanoqwen.sampling.grammar import GrammarCompiler
-
-            self._grammars = GrammarCompiler(
-                self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
-                self.tokenizer.eos_token_ids,
-            )
-        return self._grammars
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """A prompt's token ids, checked to fit this engine, or a ValueError saying why not.
@@ -265,6 +254,8 @@ class LLMEngine:
         """Append tokens one at a time; the first that ends the request drops the rest."""
         if request.pooling is not None:  # its prompt is computed: the embedding is ready
             return self._finish(request, "stop")
+        if request.error is not None:  # a feature cannot go on with it: its token is moot
+            return self._finish(request, "error")
         delta = ""
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
@@ -320,6 +311,7 @@ class LLMEngine:
                 None if request.prompt_logprobs is None else [None, *request.prompt_logprobs]
             ),
             embedding=None if request.embedding is None else request.embedding.tolist(),
+            error=request.error,
         )
 
     # ----------------------------------------------------------------- introspection

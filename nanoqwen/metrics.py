@@ -104,7 +104,7 @@ def engine_families(stats: EngineStats) -> list[Metric]:
     kv, requests, tokens = stats["kv_cache"], stats["requests"], stats["tokens"]
     finished = CounterMetricFamily(
         "nanoqwen_requests_finished",
-        "Engine requests finished, by reason (stop, length, abort).", labels=["reason"],
+        "Engine requests finished, by reason (stop, length, abort, error).", labels=["reason"],
     )
     for reason, count in sorted(requests["finished"].items()):
         finished.add_metric([reason], count)

@@ -20,7 +20,7 @@ marks a value of this moment.
 | | `bytes` | the KV tensors' memory, every rank's together (a quantized cache's scales too) |
 | `requests` | `running` | now in the running batch |
 | | `waiting` | now queued for admission (preempted ones included) |
-| | `finished` | by reason: `stop`, `length`, `abort` |
+| | `finished` | by reason: `stop`, `length`, `abort`, `error` |
 | | `preemptions` | running requests preempted (pages released, recomputed later) |
 | | `preemptions_by_cause` | `kv_pages`: out of pages; `max_num_seqs`: a more urgent one came |
 | | `deadlines_met` | requests with a `deadline` that finished by it |

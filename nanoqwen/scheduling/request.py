@@ -60,6 +60,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
     num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
     finish_reason: str | None = None
+    error: str | None = None  # a feature cannot go on with it: the engine ends it, alone
     priority: int = 0  # lower is more urgent
     due: float | None = None  # when its deadline falls (`time.monotonic()`), if it has one
     user: str | None = None  # who sent it (None: the one shared user)

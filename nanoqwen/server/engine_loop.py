@@ -61,11 +61,13 @@ class QueueFull(Exception):
 
 
 class RequestFailed(Exception):
-    """The engine failed while computing this request; it was aborted, the server goes on."""
+    """This request could not be finished, and the server goes on: the engine failed while
+    computing it (it was aborted; `reason` is None), or the request itself could not go on
+    (finish_reason "error": its grammar allowed no next token; `reason` says so)."""
 
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"the engine failed while computing request {request_id}")
-        self.request_id = request_id
+    def __init__(self, request_id: str, reason: str | None = None) -> None:
+        super().__init__(reason or f"the engine failed while computing request {request_id}")
+        self.request_id, self.reason = request_id, reason
 
 
 Output = RequestOutput | NotServing | RequestFailed
@@ -99,6 +101,8 @@ class Submission:
             raise item
         if item.finished:
             self.unfinished.discard(item.request_id)
+        if item.finish_reason == "error":
+            raise RequestFailed(item.request_id, item.error)
         # A handler stops reading once it asks for an abort, so an abort it sees came from
         # the server stopping.
         if item.finish_reason == "abort":

@@ -30,7 +30,7 @@ _SAMPLING = {
     "temperature", "top_p", "seed",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority",
-    "deadline", "user",
+    "deadline", "user", "allowed_token_ids",
     "response_format", "structured_outputs",
     # vLLM's names before structured_outputs, still sent by older clients; SGLang's.
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf",

@@ -59,9 +59,19 @@ class GenerationHandler(HTTPHandler):
             )
         if isinstance(error, NotServing):
             return protocol.not_serving(str(error))
-        if isinstance(error, RequestFailed):  # the engine loop has logged it
-            return protocol.internal_error(self.record.request_id)
+        if isinstance(error, RequestFailed):
+            if error.reason is not None:  # the request's own doing (its grammar)
+                return APIError(400, error.reason, code="request_failed")
+            return protocol.internal_error(self.record.request_id)  # the loop has logged it
         return super()._as_api_error(error)
+
+    def _still_wanted(self) -> None:
+        """Raise unless someone still waits for this request: its client is there
+        (ClientDisconnected) and the server serving (NotServing)."""
+        self._check_client()
+        state = self.server.engine_loop.state
+        if state != "serving":
+            raise NotServing(f"the engine loop has {state}")
 
     def _name_request(self, prefix: str) -> str:
         """Give the request its id (`prefix` and random hex): answers, engine requests and

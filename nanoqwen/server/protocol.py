@@ -29,7 +29,7 @@ MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
 # Request fields passed to SamplingParams, which checks types and ranges and names the culprit.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids",
 )
 # Upper limits SamplingParams leaves open. Temperature takes OpenAI's range; a repetition
 # penalty beyond these bounds (SGLang's) divides float32 logits towards overflow.
