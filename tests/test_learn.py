@@ -149,8 +149,15 @@ def one_thread():
 
 
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
-def test_runnable_blocks_run(name: str, code: str, qwen3_dir: str, one_thread: None) -> None:
-    exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
+def test_runnable_blocks_run(
+    name: str, code: str, qwen3_dir: str, one_thread: None, request: pytest.FixtureRequest
+) -> None:
+    """Blocks get `MODEL`; the notes on the newer kinds also `MOE_MODEL` or `HYBRID_MODEL`."""
+    names = {"MODEL": qwen3_dir, "__name__": name}
+    for variable, kind in (("MOE_MODEL", "qwen3_moe"), ("HYBRID_MODEL", "qwen3_5")):
+        if variable in code:
+            names[variable] = request.getfixturevalue("picture_kind_dirs")[kind]
+    exec(compile(code, name, "exec"), names)
 
 
 def test_every_note_runs_something() -> None:
@@ -246,15 +253,17 @@ def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> No
     assert history[-1].preemptions > 0 and history[-1].used == 0
 
 
-def test_picture_script_draws_every_picture(qwen3_dir: str, tmp_path: Path, one_thread: None) -> None:
+def test_picture_script_draws_every_picture(
+    qwen3_dir: str, picture_kind_dirs: dict[str, str], tmp_path: Path, one_thread: None
+) -> None:
     pytest.importorskip("matplotlib")
-    written = learn_pictures.draw_all(qwen3_dir, tmp_path)
-    assert sorted(p.name for p in written) == sorted(learn_pictures.PICTURES)
+    written = learn_pictures.draw_all(qwen3_dir, tmp_path, picture_kind_dirs)
+    assert sorted(p.name for p in written) == sorted({**learn_pictures.PICTURES, **learn_pictures.KIND_PICTURES})
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
 def test_the_notes_show_the_committed_pictures() -> None:
     shown = {name for note in NOTES for name in re.findall(r"\(img/([\w.]+)\)", note.read_text())}
-    assert shown == set(learn_pictures.PICTURES)
+    assert shown == {*learn_pictures.PICTURES, *learn_pictures.KIND_PICTURES}
     assert all((LEARN / "img" / name).exists() for name in shown)
