@@ -6,6 +6,8 @@ themselves (links, symbols, runnable blocks) are checked with the others, in tes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ def recorded(picture_kind_dirs: dict[str, str]) -> dict[str, object]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.native_kernels
 def test_expert_load_picture_counts_every_routing_decision(recorded: dict[str, object]) -> None:
     load = recorded["expert_load.png"]
     assert len(load.per_layer) == 4  # every layer of the pictures' model is sparse
@@ -37,6 +40,7 @@ def test_expert_load_picture_counts_every_routing_decision(recorded: dict[str, o
     assert all(ran < load.num_experts for _, layers in load.decode_steps for ran in layers)
 
 
+@pytest.mark.native_kernels
 def test_pools_picture_accounts_for_every_slot(recorded: dict[str, object]) -> None:
     history = recorded["hybrid_pools.png"]
     assert len({sum(step.pages) for step in history}) == 1
@@ -50,3 +54,11 @@ def test_pools_picture_accounts_for_every_slot(recorded: dict[str, object]) -> N
     assert len(restored) == 20 and restored[0] == 0
     assert all(cached >= 48 and cached % 8 == 0 for cached in restored[1:])
     assert sum(cached > 48 for cached in restored) == 10
+
+
+def test_kind_pictures_draw(recorded: dict[str, object], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    for name, (_, _, draw) in learn_pictures.KIND_PICTURES.items():
+        draw(recorded[name], tmp_path / name)
+        path = tmp_path / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
