@@ -312,6 +312,7 @@ class EngineRun:
     # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
     outputs: dict[tuple[int, int], list[int]]
     floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
+    swaps: dict[str, int] | None = None  # with --preemption-mode swap: the run's `swap` counts
 
 
 class SessionDriver:
@@ -428,6 +429,9 @@ def run_engine(
             grown(before, after, "speculative", key)
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
         )) if "speculative" in after else None,
+        swaps={key: grown(before, after, "swap", key)
+               for key in ("swaps_out", "swaps_in", "pages_out", "pages_in", "recomputed")}
+        if "swap" in after else None,
         per_step=per_step,
         weight_bytes=weight_memory_bytes(engine.runner.model),
         read_bytes_per_token=bytes_read_per_token(engine.runner.model),
@@ -572,6 +576,7 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "reduced_thread_steps": run.reduced_thread_steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
         **({"speculation": run.speculation.as_dict()} if run.speculation else {}),
+        **({"swaps": run.swaps} if run.swaps is not None else {}),
         "weight_bytes": run.weight_bytes,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
         "per_step": run.per_step,
@@ -826,7 +831,10 @@ def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "scheduling_policy": config.scheduling_policy,
         "priority_aging_steps": config.priority_aging_steps,
+        "preemption_mode": config.preemption_mode,
+        "swap_space": config.swap_space,
         "tensor_parallel_size": config.tensor_parallel_size,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens,

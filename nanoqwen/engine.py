@@ -29,6 +29,7 @@ docs/learn/02-continuous-batching.md.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,13 +43,13 @@ from nanoqwen.sampling.params import SamplingParams, check_defaults
 from nanoqwen.sampling.sampler import make_generator
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Row, Scheduler
-from nanoqwen.scheduling.waiting_queue import check_priority
+from nanoqwen.scheduling.waiting_queue import Policy
 from nanoqwen.stats import (
     Stats,
     kv_cache_group,
     memory_group,
     prefix_cache_group,
-    requests_group,
+    scheduling_groups,
     state_pool_group,
 )
 from nanoqwen.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -120,9 +121,13 @@ class LLMEngine:
             from nanoqwen.memory.state_pool import StateSlots
 
             self.states = StateSlots(self.runner.states.num_slots, config.page_size)
-        self.scheduler = Scheduler(
-            self.allocator, self.cache, config.max_num_seqs, config.chunk_size,
-            config.scheduling_policy, config.priority_aging_steps, self.states,
+        policy, scheduler = Policy(config.scheduling_policy, config.priority_aging_steps), Scheduler
+        if not config.plain_scheduling:  # another policy, per-user caps, or swapping
+            from nanoqwen.scheduling.policies import scheduling_features
+
+            policy, scheduler = scheduling_features(config, self.cache, self.runner, self.states)
+        self.scheduler = scheduler(
+            self.allocator, self.cache, config.max_num_seqs, config.chunk_size, policy, self.states
         )
         for hook in self.step_hooks:
             hook.attach(self, partners)
@@ -140,8 +145,11 @@ class LLMEngine:
         params: Any = None,
         request_id: str | None = None,
         priority: int = 0,
+        deadline: float | None = None,
+        user: str | None = None,
     ) -> str:
-        """Queue a prompt; returns its id. A lower `priority` is served sooner.
+        """Queue a prompt; returns its id. Scheduling (`scheduling/`): `priority`, lower sooner;
+        `deadline`, seconds from now it should be done by; `user`, who sent it.
 
         `params` are `SamplingParams` (settings left out take the model's recommended ones,
         `sampling_defaults`), or `PoolingParams` for the prompt's embedding instead of a
@@ -155,7 +163,7 @@ class LLMEngine:
 
             pooling, params = plug_in_pooling(params, self.runner.output_hooks), EMBEDDING_SAMPLING
         params = (params or SamplingParams()).with_defaults(self.sampling_defaults)
-        check_priority(priority, self.config.scheduling_policy)
+        self.scheduler.policy.check(priority, deadline, user)
         if not isinstance(prompt, EncodedPrompt):
             prompt = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -165,7 +173,8 @@ class LLMEngine:
             request_id, prompt.token_ids, params,
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
-            priority=priority, pooling=pooling,
+            priority=priority, user=user, pooling=pooling,
+            due=None if deadline is None else time.monotonic() + deadline,
         )
         if params.asks_for_more:
             from nanoqwen.sampling.extras import plug_in
@@ -319,7 +328,7 @@ class LLMEngine:
         per optional feature that is on (every key is described in `nanoqwen/stats.py`)."""
         stats = {
             "kv_cache": kv_cache_group(self.allocator, self.runner.kv_cache.nbytes * self.num_ranks),
-            "requests": requests_group(self.scheduler, self.num_finished),
+            **scheduling_groups(self.scheduler, self.num_finished),
             "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
             **prefix_cache_group(self.cache),
             **state_pool_group(self.states),

@@ -135,6 +135,13 @@ def engine_families(stats: EngineStats) -> list[Metric]:
                             "Running requests preempted (pages released, recomputed later).",
                             value=requests["preemptions"]),
         preemptions,
+        CounterMetricFamily("nanoqwen_deadlines_missed",
+                            "Requests with a deadline that ended after it.",
+                            value=requests["deadlines_missed"]),
+        CounterMetricFamily("nanoqwen_deadlines_met",
+                            "Requests with a deadline that finished by it.",
+                            value=requests["deadlines_met"]),
+        *group_families(stats, "swap", SWAP_FAMILIES, "Swap preemption: "),
         *group_families(stats, "prefix_cache", PREFIX_CACHE_FAMILIES, "Prefix cache: "),
         *state_pool_families(stats),
         *group_families(stats, "speculative", SPECULATION_FAMILIES, "Speculative decoding: "),
@@ -204,6 +211,18 @@ PREFIX_CACHE_FAMILIES: tuple[FamilySpec, ...] = (
 STATE_POOL_FAMILIES: tuple[FamilySpec, ...] = (
     (GaugeMetricFamily, "nanoqwen_state_slots_total",
      "slots requests and snapshots can hold (running + snapshots + free).", "slots_total"),
+)
+SWAP_FAMILIES: tuple[FamilySpec, ...] = (
+    (CounterMetricFamily, "nanoqwen_swaps_out", "preempted requests whose pages were copied "
+     "to host memory.", "swaps_out"),
+    (CounterMetricFamily, "nanoqwen_swaps_in", "admissions that copied pages back.", "swaps_in"),
+    (CounterMetricFamily, "nanoqwen_swapped_out_pages", "pages copied to host memory.",
+     "pages_out"),
+    (CounterMetricFamily, "nanoqwen_swapped_in_pages", "pages copied back.", "pages_in"),
+    (CounterMetricFamily, "nanoqwen_swap_recomputed", "preemptions that found the host pool "
+     "full and recompute instead.", "recomputed"),
+    (GaugeMetricFamily, "nanoqwen_swap_host_pages_used", "host pages held by swapped-out "
+     "requests.", "host_pages_used"),
 )
 SPECULATION_FAMILIES: tuple[FamilySpec, ...] = (
     (CounterMetricFamily, "nanoqwen_spec_draft_tokens", "draft tokens proposed and verified.",

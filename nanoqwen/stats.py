@@ -23,6 +23,8 @@ marks a value of this moment.
 | | `finished` | by reason: `stop`, `length`, `abort` |
 | | `preemptions` | running requests preempted (pages released, recomputed later) |
 | | `preemptions_by_cause` | `kv_pages`: out of pages; `max_num_seqs`: a more urgent one came |
+| | `deadlines_met` | requests with a `deadline` that finished by it |
+| | `deadlines_missed` | requests with a `deadline` that finished (or were aborted) after it |
 | `tokens` | `prompt` | prompt tokens received |
 | | `generated` | tokens generated |
 | `prefix_cache` | `query_tokens` | prompt tokens looked up in the cache |
@@ -33,6 +35,14 @@ marks a value of this moment.
 | | `slots_running` | now held by running requests |
 | | `slots_snapshots` | now holding prefix snapshots: reusable, evicted when slots run out |
 | | `slots_free` | now free |
+| `swap` | `swaps_out` | preempted requests whose pages were copied to host memory (`preemption_mode="swap"` only) |
+| | `swaps_in` | admissions that copied pages back (those the prefix cache had lost meanwhile) |
+| | `pages_out` | pages copied out |
+| | `pages_in` | pages copied back |
+| | `recomputed` | preemptions that found the host pool full: recomputed instead |
+| | `host_pages_total` | pages the host pool holds (`swap_space` over a page's bytes) |
+| | `host_pages_used` | now held by swapped-out requests |
+| | `host_bytes` | the host pool's memory |
 | `cpu` | `cores` | cores this process may run on (on a CPU only; rank 0's, with split ranks) |
 | | `threads` | threads the last step ran on (`runner/cpu_threads.py`) |
 | | `others_cores` | cores' worth of time others took, as last read: other processes and this one's other Python threads (a server's handlers) |
@@ -88,14 +98,20 @@ def kv_cache_group(allocator: PageAllocator, kv_cache_bytes: int) -> dict[str, i
     }
 
 
-def requests_group(scheduler: Scheduler, finished: dict[str, int]) -> dict[str, Any]:
-    return {
+def scheduling_groups(scheduler: Scheduler, finished: dict[str, int]) -> Stats:
+    """The `requests` group, and the `swap` group when preemption swaps
+    (`scheduling/swapping.py`)."""
+    requests = {
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
         "finished": dict(finished),
         "preemptions": sum(scheduler.preemptions.values()),
         "preemptions_by_cause": dict(scheduler.preemptions),
+        "deadlines_met": scheduler.deadlines["met"],
+        "deadlines_missed": scheduler.deadlines["missed"],
     }
+    swapping = getattr(scheduler, "stats_group", None)  # only a swapping scheduler has one
+    return {"requests": requests, **({} if swapping is None else swapping())}
 
 
 def state_pool_group(states: Any) -> Stats:

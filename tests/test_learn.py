@@ -312,6 +312,24 @@ def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> No
     assert history[-1].preemptions > 0 and history[-1].used == 0
 
 
+def test_policies_picture_shows_one_seat_and_the_same_outputs(recorded: dict[str, object]) -> None:
+    runs = {run.policy: run for run in recorded["policies.png"]}
+    assert list(runs) == list(learn_pictures.POLICY_ORDER)
+    for run in runs.values():
+        assert run.outputs == runs["fcfs"].outputs  # no policy changes a token
+        steps = [step for ran in run.ran for step in ran]
+        assert len(steps) == len(set(steps))  # one seat: one request a step
+        for request, ran, finished in zip(learn_pictures.POLICY_WORKLOAD, run.ran, run.finished):
+            assert request[5] <= ran[0] and ran[-1] == finished
+
+    def order(policy: str) -> list[int]:
+        return sorted(range(len(learn_pictures.POLICY_WORKLOAD)),
+                      key=lambda i: runs[policy].finished[i])
+    assert order("fcfs") == list(range(7))
+    assert order("sjf")[:3] == [4, 5, 6] and order("deadline")[:2] == [5, 6]
+    assert order("fair")[:3] == [0, 4, 6]  # each user's first, then the seconds
+
+
 def test_picture_script_draws_every_picture(recorded: dict[str, object], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     for name, (_, draw) in learn_pictures.PICTURES.items():

@@ -12,6 +12,11 @@ ENGINE_STATS: dict[str, Any] = {
     "requests": {
         "running": 2, "waiting": 4, "finished": {"stop": 3, "length": 1, "abort": 2},
         "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
+        "deadlines_met": 6, "deadlines_missed": 1,
+    },
+    "swap": {
+        "swaps_out": 3, "swaps_in": 2, "pages_out": 12, "pages_in": 5, "recomputed": 1,
+        "host_pages_total": 64, "host_pages_used": 4, "host_bytes": 1 << 16,
     },
     "tokens": {"prompt": 120, "generated": 64},
     "prefix_cache": {"query_tokens": 100, "hit_tokens": 48},
@@ -61,6 +66,14 @@ def test_engine_stats_become_families() -> None:
     by_cause = "nanoqwen_preemptions_by_cause_total"
     assert page[(by_cause, (("cause", "kv_pages"),))] == 1
     assert page[(by_cause, (("cause", "max_num_seqs"),))] == 2
+    assert page[("nanoqwen_deadlines_missed_total", ())] == 1
+    assert page[("nanoqwen_deadlines_met_total", ())] == 6
+    assert page[("nanoqwen_swaps_out_total", ())] == 3
+    assert page[("nanoqwen_swaps_in_total", ())] == 2
+    assert page[("nanoqwen_swapped_out_pages_total", ())] == 12
+    assert page[("nanoqwen_swapped_in_pages_total", ())] == 5
+    assert page[("nanoqwen_swap_recomputed_total", ())] == 1
+    assert page[("nanoqwen_swap_host_pages_used", ())] == 4
     assert page[("nanoqwen_spec_draft_tokens_total", ())] == 40
     assert page[("nanoqwen_spec_accepted_tokens_total", ())] == 30
     assert page[("nanoqwen_spec_verifications_total", ())] == 10
@@ -97,7 +110,8 @@ def test_features_that_are_off_have_no_families() -> None:
     stats = {group: ENGINE_STATS[group] for group in ("kv_cache", "requests", "tokens")}
     names = {name for name, _ in samples(ServerMetrics(lambda: stats))}
     assert "nanoqwen_requests_running" in names
-    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu"))
+    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu",
+                                    "nanoqwen_swap"))
                    for name in names)
 
 

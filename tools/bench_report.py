@@ -118,6 +118,11 @@ def _summary_table(
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
+    if "swaps" in engine:
+        swaps = engine["swaps"]
+        table.add_row("  swapped out / in (pages)", f"{swaps['swaps_out']} / {swaps['swaps_in']} "
+                      f"({swaps['pages_out']} / {swaps['pages_in']})")
+        table.add_row("  recomputed (host pool full)", str(swaps["recomputed"]))
     table.add_row("steps", str(engine["steps"]))
     if engine["reduced_thread_steps"]:
         table.add_row("  on fewer CPU threads (others busy)", str(engine["reduced_thread_steps"]))

@@ -661,7 +661,89 @@ def draw_load(points: list[LoadPoint], path: Path) -> None:
     _save(fig, path)
 
 
-# --------------------------------------------------------------------------- 9. experts
+# --------------------------------------------------------------------------- 9. policies
+# One seat; a user's batch of four long jobs at step 0, then two short chats of another
+# user at step 4 and one of a third at step 8: (user, prompt tokens, output tokens,
+# priority, deadline in seconds or None, arrival step).
+POLICY_WORKLOAD = [
+    ("alice", 48, 8, 1, None, 0), ("alice", 40, 8, 1, None, 0),
+    ("alice", 56, 8, 1, None, 0), ("alice", 32, 8, 1, None, 0),
+    ("bob", 6, 4, 0, 20, 4), ("bob", 12, 4, 0, 10, 4), ("carol", 24, 4, 0, 5, 8),
+]
+POLICY_ORDER = ("fcfs", "priority", "deadline", "sjf", "fair")
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    ran: list[list[int]]  # per request of POLICY_WORKLOAD, the steps it computed in
+    finished: list[int]  # the step it finished in
+    outputs: list[list[int]]
+    preemptions: int
+
+
+def collect_policies(model: str) -> list[PolicyRun]:
+    """The same arrivals under every policy, one seat: who runs in which step."""
+    runs = []
+    for policy in POLICY_ORDER:
+        engine = LLMEngine(model, max_num_seqs=1, page_size=8, num_pages=128,
+                           scheduling_policy=policy, **FLOAT32)
+        recorder = StepRecorder()
+        observe(engine, recorder)
+        token = iter(range(50, 10_000))
+        ids: list[str] = []
+        finished: dict[str, int] = {}
+        outputs: dict[str, list[int]] = {}
+        step = 0
+        while len(ids) < len(POLICY_WORKLOAD) or engine.has_unfinished_requests():
+            for user, length, out, priority, deadline, arrival in POLICY_WORKLOAD:
+                if arrival == step:
+                    prompt = [next(token) % 700 + 50 for _ in range(length)]
+                    ids.append(engine.add_request(
+                        prompt, SamplingParams(max_tokens=out, **GREEDY), deadline=deadline,
+                        user=user, priority=priority if policy == "priority" else 0))
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id], outputs[output.request_id] = step, output.token_ids
+            step += 1
+        ran = [[s for s, batch in enumerate(recorder.steps) if any(row[0] == rid for row in batch)]
+               for rid in ids]
+        runs.append(PolicyRun(policy, ran, [finished[i] for i in ids], [outputs[i] for i in ids],
+                              engine.stats()["requests"]["preemptions"]))
+    return runs
+
+
+def draw_policies(runs: list[PolicyRun], path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, panels = plt.subplots(len(runs), 1, figsize=(11, 2.1 * len(runs)), sharex=True)
+    colors = {"alice": "#c98b4a", "bob": "#4f7f6f", "carol": "#5a78a8"}
+    labels = [f"{user} {length}t" + (f" due {deadline}s" if deadline else "")
+              + (" p1" if priority else "")
+              for user, length, _, priority, deadline, _ in POLICY_WORKLOAD]
+    for axes, run in zip(panels, runs):
+        waits = []
+        for row, (request, steps) in enumerate(zip(POLICY_WORKLOAD, run.ran)):
+            user, arrival = request[0], request[5]
+            axes.plot([arrival, run.finished[row] + 1], [row, row], color="#bbbbbb", lw=1)
+            axes.broken_barh([(s, 1) for s in steps], (row - 0.35, 0.7), color=colors[user])
+            axes.text(run.finished[row] + 1.3, row, str(sorted(run.finished).index(
+                run.finished[row]) + 1), va="center", fontsize=7)
+            waits.append(steps[0] - arrival)
+        axes.set_yticks(range(len(labels)), labels, fontsize=7)
+        axes.invert_yaxis()
+        axes.set_title(f"{run.policy}: mean wait for a first step {sum(waits) / len(waits):.1f} "
+                       f"steps (bob and carol: {sum(waits[4:]) / 3:.1f}); preempted for the seat: "
+                       f"{run.preemptions}", fontsize=9, loc="left")
+    panels[-1].set_xlabel("engine step (one seat; grey: waiting, colour: computing; the number "
+                          "is the finish order)")
+    fig.suptitle("The same arrivals under each scheduling policy: alice's four long jobs at "
+                 "step 0, bob's two short ones at step 4, carol's at step 8\n(t: prompt "
+                 "tokens; due: its deadline; p1: priority 1, which only the priority policy "
+                 "reads)", fontsize=10)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 10. experts
 @dataclass
 class ExpertLoad:
     """Every routing decision of a run on a mixture-of-experts model, counted."""
@@ -737,7 +819,7 @@ def draw_expert_load(load: ExpertLoad, path: Path) -> None:
     _save(fig, path)
 
 
-# --------------------------------------------------------------------------- 10. the two pools
+# --------------------------------------------------------------------------- 11. the two pools
 @dataclass
 class PoolsStep:
     pages: tuple[int, int, int]  # KV pages used, cached, free
@@ -821,6 +903,7 @@ PICTURES = {
     "kv_pool.png": (collect_pool, draw_pool),
     "one_step.png": (collect_one_step, draw_one_step),
     "load.png": (collect_load, draw_load),
+    "policies.png": (collect_policies, draw_policies),
 }
 # The pictures of the other model kinds, each with the kind of tiny checkpoint it is drawn
 # from: `tools/checkpoints.py`'s builder of that kind, with these overrides (more experts

@@ -126,10 +126,11 @@ class Reservation:
     def submit(
         self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str,
-        priority: int = 0,
+        scheduling: dict[str, Any] | None = None,
     ) -> Submission:
         """Add one engine request per (encoded prompt, params), as many as were reserved,
-        all at `priority`, all or none.
+        all with the same `scheduling` arguments of `add_request` (priority, deadline,
+        user), all or none.
 
         Raises whatever `add_request` raised (a `ValueError` for input the engine refuses)
         with nothing left behind in the engine.
@@ -138,7 +139,7 @@ class Reservation:
             raise RuntimeError("a reservation is submitted once, with the sequences it holds")
         outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
         loop = self.loop
-        ids = loop.call(lambda engine: loop._add(sequences, id_prefix, priority, outputs))
+        ids = loop.call(lambda engine: loop._add(sequences, id_prefix, scheduling or {}, outputs))
         self.held = False  # the engine requests hold the slots now
         return Submission(ids, outputs)
 
@@ -254,7 +255,7 @@ class EngineLoop:
         self,
         sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str,
-        priority: int,
+        scheduling: dict[str, Any],
         outputs: queue.SimpleQueue[Output],
     ) -> list[str]:
         ids: list[str] = []
@@ -262,7 +263,7 @@ class EngineLoop:
             for index, (prompt_ids, params) in enumerate(sequences):
                 request_id = f"{id_prefix}-{index}"
                 ids.append(
-                    self.engine.add_request(prompt_ids, params, request_id, priority=priority)
+                    self.engine.add_request(prompt_ids, params, request_id, **scheduling)
                 )
         except BaseException:
             for request_id in ids:  # all or none: a failing third prompt fails the request

@@ -182,7 +182,8 @@ class OpenAIHandler(GenerationHandler):
         with self._reserve(len(prompts)) as reservation:
             encoded = tokenizing.encode_prompts(engine, prompts, "input")
             sequences = [(prompt, PoolingParams()) for prompt in encoded]
-            with self._submitted(reservation, sequences) as submission:
+            user = checked_field(body, "user", str, "a string", None)
+            with self._submitted(reservation, sequences, {"user": user}) as submission:
                 finals = self._collect(submission)
         model_id = self.server.settings.model_name
         self._send_json(200, tokens.embeddings_response(finals, encoding, model_id, request_id))
