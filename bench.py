@@ -108,6 +108,8 @@ from nanoqwen.cli import (
     pop_engine_options,
     quiet_library_noise,
 )
+from nanoqwen.model.config import DENSE_ARCHITECTURES, ModelConfig
+from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.speculative.proposers import SpeculationStats
 from nanoqwen.stats import kv_cache_group
 from nanoqwen.weights.checkpoint import resolve_model_path
@@ -1044,10 +1046,26 @@ def run_companions(
         runs[name].append(bench.run(options, f"nanoqwen {label}, round {index + 1}")[0])
 
 
+def parameter_counts(config: ModelConfig) -> Metrics:
+    """The model's parameters, and how many of them one token uses: of a sparse layer's
+    routed experts only the k it is routed to (counted on the meta device, so whatever the
+    weights' form or split)."""
+    with torch.device("meta"):
+        model = QwenForCausalLM(config)
+    total = sum(param.numel() for param in model.parameters())
+    idle = 0.0
+    if config.moe is not None:
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        idle = experts * (1 - config.moe.num_experts_per_tok / config.moe.num_experts)
+    return {"parameters": total, "active_parameters": round(total - idle)}
+
+
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
     weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     return {
+        "architecture": engine.model_config.architecture,
+        **parameter_counts(engine.model_config),
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
         "quantization": (weights.mode if weights is not None else "none"),
@@ -1319,6 +1337,11 @@ def main(
         with status_console.status("writing the copy prompts"):
             sessions = continue_prompts(engine, sessions)
     check_fits(engine, sessions, decode_batch)
+    if floor and engine.model_config.architecture not in DENSE_ARCHITECTURES:
+        raise click.UsageError(
+            f"--floor replays the dense layers of {' and '.join(DENSE_ARCHITECTURES)} only, "
+            f"not {engine.model_config.architecture}'s"
+        )
     companions = companion_options(engine, {**options, "scheduling_policy": policies[-1]})
     settings = {
         "model": model or f"random weights: {random_weights}",

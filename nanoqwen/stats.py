@@ -53,6 +53,7 @@ marks a value of this moment.
 | | `kv_used_bytes` | of them, the `pages_used` pages' |
 | | `kv_cached_bytes` | the `pages_cached` pages' |
 | | `kv_free_bytes` | the `pages_free` pages': used + cached + free = total |
+| | `state_pool_bytes` | the state pool's tensors, every rank's (a model with recurrent layers only) |
 | | `cuda_allocated_bytes` | now in tensors on the GPU (CUDA only: rank 0's GPU, as torch counts) |
 | | `cuda_reserved_bytes` | now held by torch's caching allocator there (allocated, and spare) |
 
@@ -145,7 +146,7 @@ def prefix_cache_group(cache: RadixCache | None) -> Stats:
 
 def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) -> Stats:
     """The `memory` group: the bytes of the process, the weights (every rank's), the KV
-    cache by page state and, on CUDA, torch's GPU memory."""
+    cache by page state, the state pool and, on CUDA, torch's GPU memory."""
     kv_bytes = runner.kv_cache.nbytes * num_ranks
     kv = kv_cache_group(allocator, kv_bytes)
     page_bytes = kv_bytes // allocator.num_pages  # the pool: scratch page too
@@ -154,6 +155,8 @@ def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) 
         "weight_bytes": weight_bytes(runner.model) * num_ranks,
         **{f"kv_{state}_bytes": kv[f"pages_{state}"] * page_bytes for state in PAGE_STATES},
     }
+    if runner.states is not None:
+        group["state_pool_bytes"] = runner.states.nbytes * num_ranks
     if runner.device.type == "cuda":
         group["cuda_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
         group["cuda_reserved_bytes"] = torch.cuda.memory_reserved(runner.device)

@@ -788,3 +788,69 @@ def test_load_options_refuse_what_they_cannot_combine_with(qwen3_dir: str) -> No
             capture_output=True, text=True, timeout=300,
         )
         assert out.returncode == 2 and "Traceback" not in out.stderr, options
+
+
+# --------------------------------------------------------------------------- the newer kinds
+def test_a_mixture_of_experts_counts_the_parameters_a_token_uses(newer_kind_dirs: dict[str, str]) -> None:
+    """All of transformers' parameters, and of a sparse layer's experts only k of E per token;
+    a hybrid model, dense, uses them all."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoqwen.weights.checkpoint import read_checkpoint
+
+    for kind, per_token in (("qwen3_moe", 2 / 8), ("qwen3_5", 1.0)):
+        model_dir = newer_kind_dirs[kind]
+        hf = AutoModelForCausalLM.from_pretrained(model_dir)
+        experts = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+        total = sum(p.numel() for p in hf.parameters())
+        counts = bench.parameter_counts(read_checkpoint(model_dir).model_config)
+        assert counts == {"parameters": total,
+                          "active_parameters": round(total - experts * (1 - per_token))}
+
+
+def test_a_token_reads_only_its_routed_experts(newer_kind_dirs: dict[str, str]) -> None:
+    from tools.bench_floor import bytes_read_per_token
+
+    model = LLM(newer_kind_dirs["qwen3_moe"], device="cpu", dtype="float32").engine.runner.model
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) * 4
+    embedding = model.model.embed_tokens.weight
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    read = weights - experts * 6 / 8 - embedding.numel() * 4 + embedding.shape[1] * 4
+    assert bytes_read_per_token(model) == read
+
+
+def test_a_config_of_each_kind_builds_random_weights(tmp_path: Path) -> None:
+    shapes = {
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"],
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=8),
+    }
+    for model_type, extra in shapes.items():
+        config = tmp_path / f"{model_type}.json"
+        config.write_text(json.dumps({**TINY_SHAPE, "model_type": model_type, **extra}))
+        directory = random_checkpoint(str(config), cache_dir=tmp_path / "cache")
+        output = LLM(directory, device="cpu").generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output[0].token_ids) == 3
+    config.write_text(json.dumps({**TINY_SHAPE, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama', not one of qwen2, qwen3, qwen2_moe"):
+        random_checkpoint(str(config), cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_the_floor_of_a_sparse_model_is_refused(tmp_path: Path, newer_kind_dirs: dict[str, str]) -> None:
+    spec = workload(num_seqs=1)
+    args = ["--model", newer_kind_dirs["qwen3_moe"], *cli_args(spec), "--floor", "--device", "cpu"]
+    completed = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
+    assert completed.returncode == 2
+    assert "--floor replays the dense layers of Qwen2ForCausalLM and Qwen3ForCausalLM only" in completed.stderr
+
+
+def test_the_report_names_the_parameters_a_token_uses() -> None:
+    from tools.bench_report import parameters
+
+    moe = {"architecture": "Qwen3MoeForCausalLM", "parameters": 30_532_122_624,
+           "active_parameters": 3_353_032_704}
+    assert parameters(moe) == "Qwen3MoeForCausalLM, 30.5B parameters, 3.4B per token"
+    dense = {"architecture": "Qwen3ForCausalLM", "parameters": 21_730_944, "active_parameters": 21_730_944}
+    assert parameters(dense) == "Qwen3ForCausalLM, 21.7M parameters"

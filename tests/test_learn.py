@@ -169,12 +169,17 @@ def one_thread():
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
 def test_runnable_blocks_run(
     name: str, code: str, cpu_has_bf16: bool, qwen3_dir: str, one_thread: None,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
 ) -> None:
     """Each block as a reader's CPU runs it: with bf16 units, an engine left to its default
-    computes in bfloat16."""
+    computes in bfloat16. Blocks get `MODEL`; the notes on the newer kinds also `MOE_MODEL`
+    or `HYBRID_MODEL`."""
     monkeypatch.setattr(nanoqwen.config, "cpu_has_native_bf16", lambda: cpu_has_bf16)
-    exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
+    names = {"MODEL": qwen3_dir, "__name__": name}
+    for variable, kind in (("MOE_MODEL", "qwen3_moe"), ("HYBRID_MODEL", "qwen3_5")):
+        if variable in code:
+            names[variable] = request.getfixturevalue("picture_kind_dirs")[kind]
+    exec(compile(code, name, "exec"), names)
 
 
 def test_every_note_runs_something() -> None:
@@ -336,5 +341,5 @@ def test_picture_script_draws_every_picture(recorded: dict[str, object], tmp_pat
 
 def test_the_notes_show_the_committed_pictures() -> None:
     shown = {name for note in NOTES for name in re.findall(r"\(img/([\w.]+)\)", note.read_text())}
-    assert shown == set(learn_pictures.PICTURES)
+    assert shown == {*learn_pictures.PICTURES, *learn_pictures.KIND_PICTURES}
     assert all((LEARN / "img" / name).exists() for name in shown)

@@ -4,6 +4,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanoqwen import LLMEngine, SamplingParams
 from nanoqwen.metrics import ServerMetrics
 
 ENGINE_STATS: dict[str, Any] = {
@@ -29,6 +30,12 @@ ENGINE_STATS: dict[str, Any] = {
         "kv_used_bytes": 5 << 10, "kv_cached_bytes": 7 << 10, "kv_free_bytes": 20 << 10,
         "cuda_allocated_bytes": 400 << 20, "cuda_reserved_bytes": 512 << 20,
     },
+}
+# A hybrid model's engine adds its state pool (`memory/state_pool.py`).
+HYBRID_STATS: dict[str, Any] = {
+    **ENGINE_STATS,
+    "state_pool": {"slots_total": 12, "slots_running": 3, "slots_snapshots": 5, "slots_free": 4},
+    "memory": {**ENGINE_STATS["memory"], "state_pool_bytes": 6 << 20},
 }
 
 
@@ -106,6 +113,31 @@ def test_features_that_are_off_have_no_families() -> None:
     assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu",
                                     "nanoqwen_swap"))
                    for name in names)
+
+
+def test_a_hybrid_models_state_slots_are_gauges() -> None:
+    page = samples(ServerMetrics(lambda: HYBRID_STATS))
+    pool = HYBRID_STATS["state_pool"]
+    for state in ("running", "snapshots", "free"):
+        assert page[("nanoqwen_state_slots", (("state", state),))] == pool[f"slots_{state}"]
+    assert page[("nanoqwen_state_slots_total", ())] == 12
+    assert page[("nanoqwen_state_pool_bytes", ())] == 6 << 20
+    dense = {name for name, _ in samples(ServerMetrics(lambda: ENGINE_STATS))}
+    assert not any(name.startswith("nanoqwen_state_") for name in dense)
+
+
+def test_a_hybrid_engines_page_counts_its_slots(newer_kind_dirs: dict[str, str]) -> None:
+    """The page of a running hybrid engine: every slot is running, a snapshot or free."""
+    engine = LLMEngine(newer_kind_dirs["qwen3_5"], device="cpu", dtype="float32", page_size=4,
+                       num_pages=64)
+    engine.add_request(list(range(10, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    page = samples(ServerMetrics(engine.stats))
+    slots = {state: page[("nanoqwen_state_slots", (("state", state),))]
+             for state in ("running", "snapshots", "free")}
+    assert slots["running"] == 1 and slots["snapshots"] >= 1
+    assert sum(slots.values()) == page[("nanoqwen_state_slots_total", ())]
+    assert page[("nanoqwen_state_pool_bytes", ())] == engine.runner.states.nbytes
 
 
 def test_engine_stats_are_read_at_every_scrape() -> None:

@@ -42,7 +42,8 @@ PHASE_LABELS = {
 def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
-        f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
+        f"[bold]{settings['model']}[/] ({parameters(settings)}) on {settings['device']} "
+        f"({settings['dtype']}, "
         f"KV cache {settings['kv_cache_dtype']}, {plural(settings['threads'], 'torch thread')}, "
         f"{plural(settings['tensor_parallel_size'], 'rank')}), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
@@ -68,6 +69,18 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_bandwidth_table(result["bandwidth_floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
+
+
+def parameters(settings: Metrics) -> str:
+    """The architecture and its size: "Qwen3MoeForCausalLM, 30.5B parameters, 3.4B per
+    token" (a mixture of experts runs only its routed experts)."""
+    total, active = settings["parameters"], settings["active_parameters"]
+    text = f"{settings['architecture']}, {count(total)} parameters"
+    return text + (f", {count(active)} per token" if active != total else "")
+
+
+def count(number: int) -> str:
+    return f"{number / 1e9:.1f}B" if number >= 1e9 else f"{number / 1e6:.1f}M"
 
 
 def plural(count: int, noun: str, suffix: str = "s") -> str:
