@@ -6,9 +6,14 @@ The tests compare against transformers in float32, the CPU's default dtype unles
 multiplies bfloat16 in hardware. Whatever CPU runs them, they run torch's AVX2 kernels
 (torch's own `ATEN_CPU_CAPABILITY`, set before torch is imported, and inherited by the
 processes the tests start), so the default is float32 everywhere.
+
+Ctrl-C raises `KeyboardInterrupt` in the tests and in the processes they start, as from a
+terminal, whatever the run inherited: a job started in the background (`pytest … &`, as
+many CI runners start one) comes with SIGINT ignored, which every child would inherit.
 """
 
 import os
+import signal
 
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
@@ -28,6 +33,17 @@ from tools.checkpoints import (  # noqa: E402
     build_qwen3_moe,
     build_qwen3_next,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own SIGINT handler for the run (a handler, unlike an ignored signal, is
+    not inherited: the processes the tests start begin with the default and install it
+    too); what was inherited comes back at the end."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if inherited is not None:  # None: set outside Python, and so left as it is now
+        signal.signal(signal.SIGINT, inherited)
 
 
 @pytest.fixture(scope="session")

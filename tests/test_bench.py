@@ -65,8 +65,9 @@ class BenchRun(subprocess.CompletedProcess):
     stdout_json: str
 
 
-def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
-    """bench.py in a subprocess; its JSON result is read into `stdout_json`."""
+def run_bench_process(tmp_path: Path, *args: str, **env: str) -> BenchRun:
+    """bench.py in a subprocess, with `env` added to its environment; its JSON result is
+    read into `stdout_json`."""
     out = tmp_path / "result.json"
     completed = subprocess.run(
         [sys.executable, str(BENCH), *args, "--device", "cpu", "--json", str(out)],
@@ -74,7 +75,7 @@ def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
         text=True,
         timeout=300,
         # Random-weights checkpoints are cached under here, not in the user's cache.
-        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env},
     )
     assert completed.returncode == 0, completed.stderr
     completed.stdout_json = out.read_text()
@@ -618,11 +619,28 @@ def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
 
 
 def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path, qwen3_dir: str) -> None:
-    import psutil
-
+    # The run's processes, and any they start, carry this mark in their environment: other
+    # processes on the machine (busy loops included) are not this run's leftovers.
+    mark = f"{os.getpid()}-{tmp_path.name}"
     spec = workload(num_seqs=2)
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
+    completed = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec),
+                                  "--background-load", "1", NANOQWEN_TEST_MARK=mark)
+    result = json.loads(completed.stdout_json)
     assert result["settings"]["background_load"] == 1
     assert 0 <= result["nanoqwen"]["reduced_thread_steps"] <= result["nanoqwen"]["steps"]
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] and "while True: pass" in " ".join(p.info["cmdline"])]
+    assert processes_marked(mark) == []
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment holds NANOQWEN_TEST_MARK=`mark`."""
+    import psutil
+
+    marked = []
+    for process in psutil.process_iter():
+        try:
+            if (process.environ().get("NANOQWEN_TEST_MARK") == mark
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                marked.append(process.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass  # another user's, or gone
+    return marked
