@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts
+from profiled_ranks import NoCounters
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoqwen import LLMEngine
@@ -149,22 +150,6 @@ class SpyBackend(TorchBackend):
     def plan(self, metadata) -> None:
         SpyBackend.planned.append(metadata)
         super().plan(metadata)
-
-
-class NoCounters:
-    """Stands in for the CUDA allocator's counters, which a CPU does not have."""
-
-    def allocated(self) -> int:
-        return 0
-
-    def reset_peak(self) -> None:
-        pass
-
-    def peak(self) -> int:
-        return 0
-
-    def free(self) -> int:
-        return 2**60
 
 
 LIMITS_OF_WORST = (LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_model_len"])

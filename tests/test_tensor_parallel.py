@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import profiled_ranks
 import psutil
 import pytest
 import torch
@@ -35,9 +36,11 @@ from nanoqwen.attention.base import AttentionMetadata
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import TensorParallel, split_across
 from nanoqwen.model.loading import TensorSlice
+from nanoqwen.parallel import launch
 from nanoqwen.parallel.launch import check_splittable_shape
 from nanoqwen.parallel.step_broadcast import STEP_WIRE, step_from_wire, step_to_wire
 from nanoqwen.parallel.workers import WorkerFailure
+from nanoqwen.runner import startup
 from nanoqwen.runner.runner import StepInputs, lay_out
 from nanoqwen.scheduling.request import Request
 from nanoqwen.scheduling.scheduler import Row
@@ -226,6 +229,32 @@ def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     for request_id in ids:
         engine.abort(request_id)
     return logits
+
+
+def test_the_start_up_profile_runs_on_every_rank(
+    qwen3_dir: str, engines: Engines, one_device: Callable[[str], LLM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU, each rank's start-up runs the worst step (and the largest graph bucket's)
+    through its runner to size the KV cache; every rank must get through it in step with
+    the others, rank 0 sampling and the others not. Here the same profile runs inside the
+    real start-up of two CPU ranks (`profiled_ranks.py`); afterwards they serve as usual."""
+    engines.close()  # one split engine per process at a time
+    monkeypatch.setattr(launch, "start_rank_runner", profiled_ranks.start_rank_runner)
+    monkeypatch.setattr(startup, "cache_memory", profiled_ranks.profiling(startup.cache_memory))
+    monkeypatch.setattr(profiled_ranks, "PROFILED", [])
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert len(profiled_ranks.PROFILED) == 1  # rank 0's; rank 1 ran its own beside it
+        prompts, params = workload()
+        expected = one_device(qwen3_dir).generate(prompts, params)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [
+            o.token_ids for o in expected
+        ]
+    finally:
+        pids = llm.engine.workers.pids
+        llm.shutdown()
+        assert_gone(pids)
 
 
 def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(

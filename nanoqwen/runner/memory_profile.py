@@ -23,9 +23,12 @@ kinds:
 
 `profile_overhead` builds each of them with the backend that will serve and measures it
 with the CUDA allocator's counters, running the worst step through a runner like any step's
-(`runner.py`). It runs on a throwaway KV cache that holds one sequence of
-`max_model_len` tokens (which the real cache must hold anyway), whose pages every request
-of the profile shares: only memory is measured, never values.
+(`runner.py`). Every rank of a split model profiles its own slice in step with the others,
+on a plain runner (the workers serve no steps yet): the forward every step runs, whose
+all-reduces meet across the ranks; rank 0 alone gets logits and samples. It runs on a
+throwaway KV cache that holds one sequence of `max_model_len` tokens (which the real cache
+must hold anyway), whose pages every request of the profile shares: only memory is
+measured, never values.
 
 What attention needs in the worst step is also known without running it: each backend
 states an upper bound from the step's lengths (`AttentionBackend.step_memory`; the torch
@@ -281,10 +284,13 @@ def worst_step(
 
 
 def sample_every_row(runner: ModelRunner, rows: list[Row]) -> None:
-    """Run a step and sample every row of logits it computes (a verification samples each
-    of a row's rows: the sampler's largest call)."""
+    """Run a step as every step runs (`ModelRunner.forward`: on a split model each rank its
+    slice, in step with the others) and sample every row of logits it computes (a
+    verification samples each of a row's rows: the sampler's largest call). Only rank 0
+    gets logits and samples."""
     logits = runner.forward(runner.prepare(rows))
-    runner.sampler.sample(logits, [row.request for row in rows for _ in range(row.num_sampled)])
+    if logits is not None:
+        runner.sampler.sample(logits, [row.request for row in rows for _ in range(row.num_sampled)])
 
 
 def _peak_of(memory: MemoryCounters, run: Callable[[], object]) -> int:
