@@ -354,11 +354,20 @@ def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(qwen3_dir: str) ->
                        num_pages=64, **LIMITS)
     target, draft = engine.runner.model, engine.step_hooks[0].proposer.runner.model
     SpyBackend.planned = []
-    measure_overheads([target, draft], throwaway_runners(engine, SpyBackend, []), SpyBackend,
-                      0, settings_of(engine), NoCounters(), max_proposed=3)
+    overhead = measure_overheads([target, draft], throwaway_runners(engine, SpyBackend, []),
+                                 SpyBackend, 0, settings_of(engine), NoCounters(), max_proposed=3)
     sequences, chunk = LIMITS["max_num_seqs"], LIMITS["chunk_size"]
     profiled = [sorted(metadata.q_lens().tolist()) for metadata in SpyBackend.planned]
     assert profiled == [sorted([1 + 3] * sequences + [chunk]), sorted([1] * sequences + [chunk])]
+    # The distributions the drafts came from, kept until verified: a float32 row over the
+    # target's vocabulary per draft of every sequence, set aside beside the cache.
+    draft_probs = sequences * 3 * VOCAB * 4
+    assert overhead.draft_probs == draft_probs
+    assert overhead.total == draft_probs + overhead.resident + overhead.step + overhead.graphs
+    assert "draft distributions" in str(overhead)
+    alone = measure_overheads([target], throwaway_runners(engine, SpyBackend, []), SpyBackend, 0,
+                              settings_of(engine), NoCounters(), max_proposed=3)
+    assert alone.draft_probs == 0  # n-gram guesses keep no distributions
 
 
 # ----------------------------------------------------------------- defaults on a CPU
