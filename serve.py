@@ -69,7 +69,8 @@ logger = logging.getLogger("nanoqwen.serve")
 )
 @click.option(
     "--served-model-name", default=None,
-    help="Model id in the API. Default: the checkpoint's directory name, or the hub id.",
+    help="Model id in the API. Default: the checkpoint's directory name, a GGUF file's "
+    "name without .gguf, or the hub id.",
 )
 @engine_options
 def main(
@@ -81,7 +82,6 @@ def main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_library_noise()
     allow_file_descriptors(max_connections)
-    logger.info("loading %s", model)
     started = time.perf_counter()
     try:
         server = make_server(

@@ -55,6 +55,7 @@ from server_helpers import (
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.server import OpenAIServer, ServerSettings, make_server
+from nanoqwen.server.app import served_model_id
 
 STATES = ("used", "cached", "free")  # of a KV page, as /metrics labels them
 
@@ -465,6 +466,17 @@ def test_cli_says_a_port_is_in_use_in_one_line_without_loading(qwen3_dir: str) -
         f"Error: port {port} is in use (on 127.0.0.1): stop what holds it, or pick another port"
     ]
     assert "loaded in" not in result.stderr  # said before the model loads, not after
+    assert "loading" not in result.stderr  # nor does it start to
+
+
+def test_the_model_id_is_a_directory_or_file_name_or_the_hub_id(tmp_path: Path) -> None:
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    (tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf").touch()
+    assert served_model_id(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
+    assert served_model_id(str(tmp_path / "Qwen3-0.6B") + "/") == "Qwen3-0.6B"
+    gguf = tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert served_model_id(str(gguf)) == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    assert served_model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 
 def test_the_port_is_taken_before_the_model_is_read(tmp_path: Path) -> None:
