@@ -103,6 +103,7 @@ from nanoqwen.cli import (
     SPECULATIVE_OPTION_NAMES,
     config_option,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
@@ -705,7 +706,7 @@ def load_engine(
     try:
         engine = LLMEngine(model_dir, **options)
     except ValueError as error:
-        raise click.UsageError(str(error)) from None
+        raise click.UsageError(in_flags(str(error))) from None
     recorder = FloorRecorder() if floor else None
     timer = PhaseTimer(engine.device)
     if recorder is not None:

@@ -68,6 +68,7 @@ from nanoqwen.cli import (
     config_option,
     describe_engine,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
@@ -503,7 +504,7 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
         try:
             return LLM(model_dir, **one_conversation(model_dir, options))
         except (ValueError, OSError) as error:
-            raise click.ClickException(str(error).splitlines()[0]) from None
+            raise click.ClickException(in_flags(str(error).splitlines()[0])) from None
 
 
 def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:

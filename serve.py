@@ -21,6 +21,7 @@ from nanoqwen.cli import (
     config_option,
     describe_engine,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
@@ -91,7 +92,7 @@ def main(
             **pop_engine_options(options),
         )
     except ValueError as error:  # a setting the engine refuses, or a port in use
-        raise click.ClickException(str(error)) from None
+        raise click.ClickException(in_flags(str(error))) from None
     logger.info(
         "loaded in %.1f s: %s", time.perf_counter() - started, describe_engine(server.engine)
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -149,6 +150,18 @@ def pop_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     if memory is not None and memory > 1:
         engine["kv_cache_memory"] = int(memory)  # a byte count, not a fraction
     return engine
+
+
+def in_flags(message: str) -> str:
+    """An engine error as a command's: the keywords it names (`max_model_len=5000`,
+    `lower max_num_seqs`) as the current command's flags (`--max-model-len 5000`, `lower
+    --max-num-seqs`)."""
+    command = click.get_current_context().command
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name in ENGINE_OPTION_NAMES:
+            keyword = "" if "_" in param.name else "(?==)"  # a bare `device` may be English
+            message = re.sub(rf"(?<![\w-]){param.name}\b{keyword}", param.opts[0], message)
+    return re.sub(r"(--[\w-]+)=", r"\1 ", message)
 
 
 def describe_engine(engine: LLMEngine) -> str:

@@ -377,6 +377,16 @@ def test_unknown_model_is_one_line_that_names_the_option(tmp_path: Path) -> None
     assert result.stderr == f"Error: --model: {loader.stdout}"
 
 
+def test_an_engine_error_names_the_flag_not_the_keyword(qwen3_dir: str) -> None:
+    trained = LLM(qwen3_dir).engine.max_model_len
+    result = run_piped(chat_args(qwen3_dir, "--max-model-len", str(trained + 1)), [])
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"Error: --max-model-len {trained + 1} exceeds the model's "
+        f"max_position_embeddings={trained}\n"
+    )
+
+
 class Screen:
     """What the terminal shows: everything chat.py writes, drawn by a terminal emulator."""
 
