@@ -377,6 +377,12 @@ def test_unknown_model_is_one_line_that_names_the_option(tmp_path: Path) -> None
     assert result.stderr == f"Error: --model: {loader.stdout}"
 
 
+def test_fields_are_broken_into_lines_between_them() -> None:
+    fields = ["a" * 10, "b" * 10, "c" * 30, "d" * 3]
+    assert chat.fit_lines(fields, 23) == f"{'a' * 10} · {'b' * 10}\n{'c' * 30}\n{'d' * 3}"
+    assert chat.fit_lines(fields, 100) == " · ".join(fields)
+
+
 def test_an_engine_error_names_the_flag_not_the_keyword(qwen3_dir: str) -> None:
     trained = LLM(qwen3_dir).engine.max_model_len
     result = run_piped(chat_args(qwen3_dir, "--max-model-len", str(trained + 1)), [])
@@ -517,7 +523,7 @@ def test_terminal_commands_say_what_they_do(qwen3_dir: str) -> None:
     child.sendline("/system")
     child.expect_exact("No system prompt.")
     child.sendline("/help")
-    child.expect_exact("//text sends /text")
+    child.expect_exact("Ctrl-C stops a reply")
     child.expect(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
@@ -528,15 +534,20 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
 ) -> None:
     # A model with a long context: on a CPU, chat keeps CPU_CONTEXT tokens of it.
     model = model_copy(qwen3_dir, tmp_path / "model", config={"max_position_embeddings": 40960})
-    child = spawn_chat(model, max_tokens=4)
+    screen = Screen()
+    child = spawn_chat(model, max_tokens=4, screen=screen)
     banner = " ".join(child.before.split())
     # K and V, per layer and KV head, float32, for the CPU_CONTEXT tokens and the scratch page.
     layers, kv_heads, head_dim, page_size = 2, 2, 32, 4
     kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (chat.CPU_CONTEXT + page_size)
     context = f"{chat.CPU_CONTEXT:,} tokens"
-    assert f"on cpu (float32) · context {context} · KV cache {context} ({decimal(kv_bytes)})" in (
-        banner
-    )
+    fields = [f"{model} on cpu (float32)", f"context {context}",
+              f"KV cache {context} ({decimal(kv_bytes)})", "loaded in"]
+    assert all(field in banner for field in fields)
+    # Broken between fields, in lines that fit the terminal: no "·" left dangling.
+    lines = [row.strip() for row in screen.screen.display if row.strip()]
+    assert not [line for line in lines if line.startswith("·") or line.endswith("·")], lines
+    assert "Ctrl-C stops a reply" in banner
     assert "sampling: temperature 0.0" in banner  # --temperature 0 overrides the fallback
     stats = engine_stats(child)
     assert stats["pages_total"] == f"{chat.CPU_CONTEXT // page_size:,}"
