@@ -208,6 +208,32 @@ def check_plot(result: dict[str, Any]) -> None:
     assert shares == pytest.approx([p["share"] for p in result["nanoqwen"]["phases"].values()])
 
 
+@pytest.mark.skipif(not plotting, reason="needs matplotlib (the plot extra)")
+@pytest.mark.parametrize("num_runs", [1, 3])
+@pytest.mark.parametrize("levels", [["0"], ["0", "5"]], ids=["one-priority", "two-priorities"])
+def test_the_phase_legend_covers_no_label(num_runs: int, levels: list[str]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    phases = {phase: {"share": 1 / len(PHASES)} for phase in PHASES}
+    ttft = {"p50": 100.0, "p95": 200.0}
+    result = {
+        "settings": {"model": "m", "device": "cpu", "dtype": "float32", "scenario": "random"},
+        "nanoqwen": {"output_tok_s": 9.0, "phases": phases,
+                     "ttft_by_priority_ms": dict.fromkeys(levels, ttft)},
+        **{f"run {i}": {"output_tok_s": 5.0, "phases": phases} for i in range(num_runs - 1)},
+    }
+    figure = bench_plot.result_figure(result)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    phases_axes, *below = figure.axes[1:]  # and the TTFT panel, with two priorities
+    legend = phases_axes.get_legend().get_window_extent(renderer)
+    labels = [phases_axes.xaxis.label, *phases_axes.get_xticklabels(),
+              *(axes.title for axes in below)]
+    assert not [text.get_text() for text in labels
+                if legend.overlaps(text.get_window_extent(renderer))]
+    assert legend.y0 >= 0  # inside the image
+
+
 @pytest.mark.slow
 def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
     spec = workload("shared-prefix", min_input=40, max_input=60)
