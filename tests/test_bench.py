@@ -21,6 +21,7 @@ import click
 import pytest
 import torch
 import transformers
+from rich.console import Console
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.text.tokenizer import Tokenizer
@@ -206,6 +207,30 @@ def check_plot(result: dict[str, Any]) -> None:
     # One bar segment per phase for nanoqwen's one run; the peer has no phases to show.
     shares = [bar.get_width() for bar in phases.patches]
     assert shares == pytest.approx([p["share"] for p in result["nanoqwen"]["phases"].values()])
+
+
+def test_progress_shows_the_time_left_at_the_output_rate_so_far() -> None:
+    clock = [0.0]
+    console = Console(record=True, width=200, get_time=lambda: clock[0])
+    progress = bench.make_progress(console)
+    task = bench.add_progress_task(progress, "nanoqwen, round 1", 16, 1000)
+    for seconds, tokens, done in ((10, 100, 2), (20, 200, 4)):  # 10 output tokens a second
+        clock[0] = seconds
+        progress.update(task, completed=tokens, requests=f"{done}/16", tok_s="10 output tok/s")
+    console.print(progress.make_tasks_table(progress.tasks))
+    # 800 tokens to go at 10 a second.
+    assert "4/16 requests 10 output tok/s 0:00:20 · about 0:01:20 left" in console.export_text()
+
+
+def test_the_default_workload_is_sized_for_the_device(tmp_path: Path, qwen3_dir: str) -> None:
+    """nano-vllm's published workload on a GPU runs for hours on a CPU: a CPU gets one that
+    ends in minutes; sizes given on the command line are kept."""
+    sizes = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
+    assert bench.DEFAULT_SIZES["cuda"] == dict(zip(sizes, (256, 100, 1024, 100, 1024)))
+    cpu = bench.DEFAULT_SIZES["cpu"]
+    assert cpu["num_seqs"] * cpu["max_output"] <= 2048
+    result = run_bench(tmp_path, "--model", qwen3_dir, "--max-output", "40")
+    assert {size: result["settings"][size] for size in sizes} == {**cpu, "max_output": 40}
 
 
 @pytest.mark.skipif(not plotting, reason="needs matplotlib (the plot extra)")
