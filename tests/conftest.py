@@ -7,6 +7,12 @@ multiplies bfloat16 in hardware. Whatever CPU runs them, they run torch's AVX2 k
 (torch's own `ATEN_CPU_CAPABILITY`, set before torch is imported, and inherited by the
 processes the tests start), so the default is float32 everywhere.
 
+Every engine a test builds names its device (`device="cpu"`, or "cuda" in a test marked
+`cuda`; `--device` for the commands it starts): left to choose, an engine takes the GPU
+where there is one, and a test written for the CPU (float32 against transformers, ranks
+as CPU processes) fails there. `tests_name_their_device` refuses an engine that does not
+say, on any machine, so a test that forgets fails here too, not only on a GPU.
+
 Ctrl-C raises `KeyboardInterrupt` in the tests and in the processes they start, as from a
 terminal, whatever the run inherited: a job started in the background (`pytest … &`, as
 many CI runners start one) comes with SIGINT ignored, which every child would inherit.
@@ -21,8 +27,10 @@ from collections.abc import Iterator  # noqa: E402
 
 import openai  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from server_helpers import client_for, running_server  # noqa: E402
 
+from nanoqwen import config  # noqa: E402
 from nanoqwen.server import OpenAIServer  # noqa: E402
 from tools.checkpoints import (  # noqa: E402
     build_qwen2,
@@ -44,6 +52,23 @@ def ctrl_c_raises() -> Iterator[None]:
     yield
     if inherited is not None:  # None: set outside Python, and so left as it is now
         signal.signal(signal.SIGINT, inherited)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_name_their_device() -> Iterator[None]:
+    """An engine built with no device is refused (see the module docstring)."""
+    choose = config.resolve_device
+
+    def named(device: object) -> torch.device:
+        if device is None:
+            raise ValueError(
+                "a test names its engine's device: device='cpu', or 'cuda' in a test marked cuda"
+            )
+        return choose(device)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config, "resolve_device", named)
+        yield
 
 
 @pytest.fixture(scope="session")

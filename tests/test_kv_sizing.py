@@ -43,7 +43,7 @@ from tools.checkpoints import PRESETS
 
 GIB = 2**30
 VOCAB = 800
-LIMITS = dict(max_num_seqs=4, chunk_size=16, max_model_len=64, page_size=4)
+LIMITS = dict(device="cpu", max_num_seqs=4, chunk_size=16, max_model_len=64, page_size=4)
 
 
 # ----------------------------------------------------------------- the budget
@@ -201,7 +201,7 @@ def test_with_speculation_the_profiled_step_verifies_drafts_for_every_sequence(
     qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = LLMEngine(
-        qwen3_dir, speculative="ngram", num_speculative_tokens=3, num_pages=64,
+        qwen3_dir, device="cpu", speculative="ngram", num_speculative_tokens=3, num_pages=64,
         max_num_seqs=LIMITS["max_num_seqs"], chunk_size=LIMITS["chunk_size"],
     )
     rows: list[int] = []

@@ -61,7 +61,7 @@ def test_float32_file_runs_like_the_checkpoint_it_was_written_from(model_dir: st
              "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
     assert {k: getattr(ours, k) for k in shape} == {k: getattr(source, k) for k in shape}
     prompt = random_prompts(800, [30], seed=22)[0]
-    assert LLM(path, num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
+    assert LLM(path, device="cpu", num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
 
 
 def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
     model_dir = build_qwen3(tmp_path / "yarn", rope_parameters=rope, max_position_embeddings=64)
     path = write_gguf(model_dir, tmp_path / "yarn.gguf", all_of(F.F32))
     prompt = random_prompts(800, [90], seed=23)[0]
-    output = LLM(path, max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
+    output = LLM(path, device="cpu", max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
     assert output.token_ids == hf_greedy(model_dir, prompt, 8)
 
 
@@ -89,7 +89,7 @@ def test_tokenizer_and_chat_template_come_from_the_file(qwen3_dir: str, tmp_path
 def test_unsupported_architecture_names_the_file(qwen2_dir: str, tmp_path: Path) -> None:
     path = write_gguf(qwen2_dir, tmp_path / "llama.gguf", all_of(F.F16), architecture="llama")
     with pytest.raises(ValueError, match=r"llama\.gguf: GGUF architecture 'llama' is not supported; nanoqwen runs qwen2, qwen3"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_damaged_file_is_a_clear_error(qwen2_dir: str, tmp_path: Path, damage) -
     path = Path(write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.Q8_0)))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(ValueError, match=r"model\.gguf is not a readable GGUF file"):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 def test_tensor_of_a_type_that_cannot_be_dequantized(wide_dirs: dict[str, str], tmp_path: Path) -> None:
@@ -110,21 +110,21 @@ def test_tensor_of_a_type_that_cannot_be_dequantized(wide_dirs: dict[str, str], 
 
     path = write_gguf(wide_dirs["qwen2"], tmp_path / "model.gguf", q8_k_up_projection)
     with pytest.raises(ValueError, match=r"model\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q8_K"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 def test_missing_tensor_is_named_as_transformers_names_it(qwen2_dir: str, tmp_path: Path) -> None:
     path = write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.F16), drop=("blk.1.ffn_down.weight",))
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.mlp\.down_proj\.weight'"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 def test_path_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model path not found: models/missing\.gguf"):
-        LLM("models/missing.gguf")  # not a hub id, though it has one slash
+        LLM("models/missing.gguf", device="cpu")  # not a hub id, though it has one slash
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"weights\.bin is a file: pass a checkpoint directory or a \.gguf file"):
-        LLM(str(tmp_path / "weights.bin"))
+        LLM(str(tmp_path / "weights.bin"), device="cpu")
 
 
 # How far below the best logit of the file's float32 model a greedy token of its int4 run may fall.

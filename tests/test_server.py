@@ -408,7 +408,7 @@ def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
     sender = None
     try:
         # Where the model runs and what it holds, as chat's banner says it.
-        llm = LLM(qwen3_dir, max_num_seqs=2)
+        llm = LLM(qwen3_dir, device="cpu", max_num_seqs=2)
         kv = llm.stats()["kv_cache"]
         summary = (
             f"cpu (float32) · context {llm.engine.max_model_len:,} tokens · "
@@ -456,7 +456,7 @@ def port_in_use() -> Iterator[int]:
 def test_cli_says_a_port_is_in_use_in_one_line_without_loading(qwen3_dir: str) -> None:
     with port_in_use() as port:
         result = subprocess.run(
-            [sys.executable, "serve.py", "--model", qwen3_dir, "--port", str(port)],
+            [sys.executable, "serve.py", "--model", qwen3_dir, "--device", "cpu", "--port", str(port)],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1

@@ -1,4 +1,5 @@
-"""The test suite passes wherever it is started: from a terminal or a background job."""
+"""The test suite passes wherever it is started: from a terminal or a background job, on a
+machine with a GPU or without."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from nanoqwen import LLM
 
 REPO = Path(__file__).resolve().parents[1]
 # Set for the run started below, which alone runs the test that reads it.
@@ -34,3 +38,10 @@ def test_a_run_started_with_ctrl_c_ignored_sees_it_as_from_a_terminal() -> None:
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_an_engine_without_a_device_is_refused(qwen3_dir: str) -> None:
+    """Left to choose, an engine would take a GPU where there is one; tests say which."""
+    with pytest.raises(ValueError, match="a test names its engine's device"):
+        LLM(qwen3_dir)
+    assert LLM(qwen3_dir, device="cpu").engine.device == torch.device("cpu")

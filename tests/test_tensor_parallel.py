@@ -55,7 +55,7 @@ VOCAB = 800
 # chunked, requests are preempted, and later prompts find earlier ones in the cache.
 # Decode steps are padded to buckets through the CUDA-graph runner's buffers, as on a GPU.
 OPTIONS = dict(
-    page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
+    device="cpu", page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
 )
 REPO = Path(__file__).resolve().parents[1]
 
@@ -316,7 +316,7 @@ def test_three_ranks_cannot_split_four_heads(model: str, request: pytest.Fixture
     """Refused before any process starts (the autouse check sees no child)."""
     message = "tensor_parallel_size=3 must divide the model's 4 attention heads"
     with pytest.raises(ValueError, match=message):
-        LLM(request.getfixturevalue(model), tensor_parallel_size=3)
+        LLM(request.getfixturevalue(model), device="cpu", tensor_parallel_size=3)
 
 
 @pytest.mark.parametrize(("size", "shape", "message"), [
@@ -351,7 +351,7 @@ def test_quantized_weights_are_refused_before_any_process_starts(
     else:
         model, options, message = qwen2_dir, {"quantization": "int8"}, "quantization='int8'"
     with pytest.raises(ValueError, match=message):
-        LLM(model, tensor_parallel_size=2, **options)
+        LLM(model, device="cpu", tensor_parallel_size=2, **options)
 
 
 @pytest.mark.parametrize(
@@ -487,7 +487,7 @@ def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"):
-        LLM(str(broken), tensor_parallel_size=2)
+        LLM(str(broken), device="cpu", tensor_parallel_size=2)
     # (The autouse check: the worker that failed alike is gone too.)
 
 
