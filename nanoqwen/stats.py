@@ -6,7 +6,7 @@ dict of groups, each a dict of plain numbers (or of counts by cause), so a scrip
 chat's `/stats`, the benchmark and the Prometheus page (`metrics.py`) all read the same
 figures. A group exists only while its feature is on: no `prefix_cache` group without the
 prefix cache, and an optional feature adds its group itself (the proposer's, through
-`Proposer.stats_group()`, documented there). Counts run from the engine's start; "now"
+the step hook's `stats_group()`, documented there). Counts run from the engine's start; "now"
 marks a value of this moment.
 
 | group | key | meaning |

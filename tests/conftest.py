@@ -7,11 +7,20 @@ multiplies bfloat16 in hardware. Whatever CPU runs them, they run torch's AVX2 k
 (torch's own `ATEN_CPU_CAPABILITY`, set before torch is imported, and inherited by the
 processes the tests start), so the default is float32 everywhere.
 
+A user's CPU runs its own kernels, and bfloat16 by default where it has bf16 units. So the
+tests marked `native_kernels` (the learning path's blocks, greedy tokens against
+transformers, the prefix cache, preemption) run a second time in CI without the pin:
+
+    NANOQWEN_TEST_KERNELS=native pytest -m native_kernels --no-cov
+
+and hold a bfloat16 engine to the bfloat16-aware oracle (`oracle.assert_greedy_matches`).
+
 Every engine a test builds names its device (`device="cpu"`, or "cuda" in a test marked
 `cuda`; `--device` for the commands it starts): left to choose, an engine takes the GPU
 where there is one, and a test written for the CPU (float32 against transformers, ranks
 as CPU processes) fails there. `tests_name_their_device` refuses an engine that does not
-say, on any machine, so a test that forgets fails here too, not only on a GPU.
+say, on any machine, so a test that forgets fails here too, not only on a GPU. Code written
+for readers names no device; a test that runs it asks for `a_machine_without_a_gpu`.
 
 Ctrl-C raises `KeyboardInterrupt` in the tests and in the processes they start, as from a
 terminal, whatever the run inherited: a job started in the background (`pytest … &`, as
@@ -21,7 +30,8 @@ many CI runners start one) comes with SIGINT ignored, which every child would in
 import os
 import signal
 
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+if os.environ.get("NANOQWEN_TEST_KERNELS") != "native":
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 from collections.abc import Iterator  # noqa: E402
 
@@ -54,21 +64,32 @@ def ctrl_c_raises() -> Iterator[None]:
         signal.signal(signal.SIGINT, inherited)
 
 
+CHOOSE_DEVICE = config.resolve_device  # the engine's own choice, before the suite refuses it
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tests_name_their_device() -> Iterator[None]:
     """An engine built with no device is refused (see the module docstring)."""
-    choose = config.resolve_device
 
     def named(device: object) -> torch.device:
         if device is None:
             raise ValueError(
                 "a test names its engine's device: device='cpu', or 'cuda' in a test marked cuda"
             )
-        return choose(device)
+        return CHOOSE_DEVICE(device)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(config, "resolve_device", named)
         yield
+
+
+@pytest.fixture
+def a_machine_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine left to choose takes the CPU, as on a reader's machine without a GPU: for
+    code written for readers (the learning path's blocks), which names no device."""
+    monkeypatch.setattr(
+        config, "resolve_device", lambda device: CHOOSE_DEVICE("cpu" if device is None else device)
+    )
 
 
 @pytest.fixture(scope="session")

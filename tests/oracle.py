@@ -1,9 +1,11 @@
 """What the engine is checked against: transformers on the same weights, and page accounting.
 
 `hf_greedy` / `hf_last_logits` run transformers' own Qwen model, one prompt at a time, as
-the ground truth for token ids and logits. `check_page_accounting` recomputes, from the
-requests' page tables and the prefix tree, who holds every page of the KV pool, and
-checks that the pool's free list and reference counts agree.
+the ground truth for token ids and logits. `assert_greedy_matches` holds an engine's
+greedy tokens to it in the engine's own dtype: identical in float32, identical up to
+near-ties in bfloat16 (`bf16_oracle.py` says what a near-tie is). `check_page_accounting`
+recomputes, from the requests' page tables and the prefix tree, who holds every page of
+the KV pool, and checks that the pool's free list and reference counts agree.
 """
 
 import os
@@ -11,6 +13,7 @@ from collections import Counter
 from functools import lru_cache
 
 import torch
+from bf16_oracle import assert_greedy_agrees, hf_greedy_with_logits
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
@@ -39,6 +42,34 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[in
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def assert_greedy_matches(
+    model_dir: str, prompt: list[int], tokens: list[int], dtype: torch.dtype
+) -> None:
+    """An engine's greedy `tokens` for `prompt`, computed in `dtype`, against transformers:
+    in float32 its greedy tokens exactly; in bfloat16, where how a step is split and summed
+    changes the rounding, transformers' bfloat16 tokens up to the first near-tie of its own
+    logits, where either choice is right and the two continuations part."""
+    if dtype == torch.float32:
+        assert tokens == hf_greedy(model_dir, prompt, len(tokens)), f"prompt of {len(prompt)}"
+        return
+    assert dtype == torch.bfloat16, f"no oracle for {dtype}"
+    assert_greedy_agrees(tokens, *hf_greedy_with_logits(model_dir, prompt, len(tokens)))
+
+
+def assert_unchanged(
+    model_dir: str, prompts: list[list[int]], outputs: list[RequestOutput],
+    plain: list[RequestOutput], dtype: torch.dtype,
+) -> None:
+    """Greedy `outputs` of `prompts`, computed another way (chunked, cached, preempted)
+    than `plain`: the same tokens in float32; in bfloat16 each agrees with transformers up
+    to near-ties (`assert_greedy_matches`), since another split rounds sums differently."""
+    if dtype == torch.float32:
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+        return
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert_greedy_matches(model_dir, prompt, output.token_ids, dtype)
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ def engines(qwen2_dir: str, qwen3_dir: str) -> dict[str, LLMEngine]:
     return {d: LLMEngine(d, **options) for d in (qwen2_dir, qwen3_dir)}
 
 
+@pytest.mark.native_kernels
 def test_first_step_logits_are_within_the_bf16_bound(engines, model_dir: str) -> None:
     engine = engines[model_dir]
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=2)
@@ -53,6 +54,7 @@ def test_first_step_logits_are_within_the_bf16_bound(engines, model_dir: str) ->
 
 
 @pytest.mark.slow
+@pytest.mark.native_kernels
 def test_greedy_tokens_match_up_to_near_ties(engines, model_dir: str) -> None:
     engine = engines[model_dir]
     prompts = random_prompts(VOCAB, PROMPT_LENGTHS, seed=5)

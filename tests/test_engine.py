@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import (
+    assert_greedy_matches,
     check_page_accounting,
     greedy,
-    hf_greedy,
     hf_last_logits,
     random_prompts,
     run_to_completion,
@@ -34,22 +34,24 @@ def vocab(llm: LLM) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.native_kernels
 def test_greedy_batch_matches_transformers(llm: LLM, model_dir: str) -> None:
     prompts = random_prompts(vocab(llm), MIXED_LENGTHS, seed=1)
     outputs = llm.generate(prompts, greedy(32))
     for prompt, output in zip(prompts, outputs):
         assert output.prompt_token_ids == prompt
-        assert output.token_ids == hf_greedy(model_dir, prompt, 32), f"prompt of {len(prompt)}"
+        assert_greedy_matches(model_dir, prompt, output.token_ids, llm.engine.config.dtype)
         assert output.finish_reason == "length"
 
 
+@pytest.mark.native_kernels
 def test_reference_attention_engine_matches_transformers(model_dir: str) -> None:
     """The textbook attention backend, end to end: the oracle of the fast one is itself right."""
     llm = LLM(model_dir, device="cpu", attention_backend="reference", chunk_size=64)
     assert type(llm.engine.runner.backend).__name__ == "ReferenceBackend"
     prompts = random_prompts(vocab(llm), [1, 17, 150], seed=11)
     for prompt, output in zip(prompts, llm.generate(prompts, greedy(12))):
-        assert output.token_ids == hf_greedy(model_dir, prompt, 12)
+        assert_greedy_matches(model_dir, prompt, output.token_ids, llm.engine.config.dtype)
 
 
 def test_a_failing_step_names_its_requests_and_leaves_them_in_the_engine(

@@ -1,4 +1,4 @@
-"""Sizing the KV cache on a GPU (`memory/sizing.py`, `runner/memory_profile.py`), checked on
+"""Sizing the KV cache on a GPU (`runner/startup.py`, `runner/memory_profile.py`), checked on
 the CPU where it can be.
 
 The CUDA allocator's counters exist only on a GPU (`test_cuda.py` checks the sizes that

@@ -2,21 +2,26 @@
 
 Every note links files and names symbols (`nanoqwen.room.module.Symbol`); a rename that
 forgets a note fails here. Every code block marked `python runnable` runs, on the tiny test
-checkpoints, as part of the suite. And the picture script (`tools/learn_pictures.py`) runs
-on the same checkpoints: what it records of the engine is checked against the engine's own
-invariants, and, where matplotlib is installed, drawn.
+checkpoints, as part of the suite: twice, as a CPU without bf16 units runs it (float32 by
+default) and as one with them does (bfloat16 by default), and CI runs them again on the
+CPU's own kernels (`native_kernels`, tests/conftest.py). And the picture script
+(`tools/learn_pictures.py`) runs on the same checkpoints: what it records of the engine is
+checked against the engine's own invariants, and, where matplotlib is installed, drawn.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
+import nanoqwen.config
 from tools import learn_pictures
+from tools.bench_decode import STEP_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ROOT / "docs" / "learn"
@@ -61,11 +66,22 @@ def resolve(dotted: str) -> object:
     raise AssertionError(f"{dotted}: no such module")
 
 
-def test_the_path_has_thirteen_notes_in_order() -> None:
-    assert [note.name[:2] for note in NOTES] == [f"{n:02}" for n in range(1, 14)]
+def test_the_notes_are_numbered_from_00_without_gaps() -> None:
+    assert [note.name[:2] for note in NOTES] == [f"{n:02}" for n in range(len(NOTES))]
     index = (LEARN / "README.md").read_text()
     for note in NOTES:
         assert f"]({note.name})" in index, f"the index does not link {note.name}"
+
+
+# The roofline box of note 01, which the notes on speed lean on.
+ROOFLINE = "01-forward-pass-and-kv-cache.md#box-the-roofline"
+LEANS_ON_THE_ROOFLINE = ("10-cuda-graphs", "11-memory-and-load", "12-speculative-decoding",
+                         "13-tensor-parallelism", "14-quantization")
+
+
+@pytest.mark.parametrize("stem", LEANS_ON_THE_ROOFLINE)
+def test_the_notes_on_speed_reuse_the_roofline_box(stem: str) -> None:
+    assert f"]({ROOFLINE})" in (LEARN / f"{stem}.md").read_text()
 
 
 @pytest.mark.parametrize("note", NOTES, ids=lambda p: p.stem)
@@ -148,8 +164,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.native_kernels
+@pytest.mark.parametrize("cpu_has_bf16", [False, True], ids=["float32-cpu", "bf16-cpu"])
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
-def test_runnable_blocks_run(name: str, code: str, qwen3_dir: str, one_thread: None) -> None:
+def test_runnable_blocks_run(
+    name: str, code: str, cpu_has_bf16: bool, qwen3_dir: str, one_thread: None,
+    a_machine_without_a_gpu: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each block as a reader's CPU runs it: with bf16 units, an engine left to its default
+    computes in bfloat16."""
+    monkeypatch.setattr(nanoqwen.config, "cpu_has_native_bf16", lambda: cpu_has_bf16)
     exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
 
 
@@ -169,6 +193,7 @@ def recorded(qwen3_dir: str) -> dict[str, object]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.native_kernels
 def test_page_table_picture_shows_the_pool_as_it_is(recorded: dict[str, object]) -> None:
     snapshot = recorded["page_table.png"]
     size, refs = snapshot.page_size, snapshot.ref_counts
@@ -189,6 +214,7 @@ def test_page_table_picture_shows_the_pool_as_it_is(recorded: dict[str, object])
     assert max(b - a for a, b in zip(csr["qo_indptr"], csr["qo_indptr"][1:])) > 1  # a prefill
 
 
+@pytest.mark.native_kernels
 def test_radix_tree_picture_holds_every_cached_page(recorded: dict[str, object]) -> None:
     tree, num_pages = recorded["radix_tree.png"]
     nodes = list(learn_pictures._walk(tree))
@@ -198,6 +224,7 @@ def test_radix_tree_picture_holds_every_cached_page(recorded: dict[str, object])
     assert "helpful assistant" in tree.children[0].text
 
 
+@pytest.mark.native_kernels
 def test_timeline_picture_keeps_the_prefill_budget(recorded: dict[str, object]) -> None:
     timeline, chunk_size = recorded["chunked_prefill.png"]
     assert all(sum(n for _, n in step.prefills) <= chunk_size for step in timeline)
@@ -211,6 +238,7 @@ def test_timeline_picture_keeps_the_prefill_budget(recorded: dict[str, object]) 
     assert (steps_of["req-4"], steps_of["req-5"]) == (5, 3)
 
 
+@pytest.mark.native_kernels
 def test_speculation_picture_shows_both_outcomes(recorded: dict[str, object]) -> None:
     verifications = recorded["speculation.png"]
     assert all(0 <= v.num_accepted <= v.num_proposed for v in verifications)
@@ -219,6 +247,7 @@ def test_speculation_picture_shows_both_outcomes(recorded: dict[str, object]) ->
     assert any(v.num_accepted < v.num_proposed for v in guessed)
 
 
+@pytest.mark.native_kernels
 def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]) -> None:
     ranks, shape = recorded["tensor_parallel.png"]
     head_dim = shape["head_dim"]
@@ -239,6 +268,38 @@ def test_tensor_parallel_picture_covers_every_weight(recorded: dict[str, object]
     assert covered([r.vocab_rows for r in ranks]) >= set(range(shape["vocab"]))
 
 
+@pytest.mark.native_kernels
+def test_step_picture_shows_every_phase_in_order(recorded: dict[str, object]) -> None:
+    steps = recorded["one_step.png"]
+    order = {name: index for index, name in enumerate(STEP_PHASES)}
+    for step in steps:
+        names = [name for name, _, _ in step.phases]
+        assert names == sorted(set(names), key=order.get)  # each phase once, in order
+        assert {"schedule", "prepare", "forward", "sample", "postprocess"} <= set(names)
+        assert "propose" not in names  # a plain engine has no step hooks
+        done = 0.0
+        for _, start, end in step.phases:
+            assert done <= start <= end <= step.total
+            done = end
+    assert max(step.tokens for step in steps) == 64  # the chunk, full, in the first step
+    assert min(step.tokens for step in steps) == 1
+
+
+@pytest.mark.native_kernels
+def test_load_picture_shows_the_queue_growing_past_capacity(recorded: dict[str, object]) -> None:
+    points = recorded["load.png"]
+    assert [point.rate for point in points] == list(learn_pictures.LOAD_RATES)
+    for point in points:
+        assert len(point.ttft) == learn_pictures.LOAD_REQUESTS and min(point.ttft) >= 1
+        assert set(point.tpot) == {1.0}  # a running request gets a token every step
+        throughput = len(point.ttft) / point.steps
+        # Each request holds a seat for LOAD_OUTPUT steps: the seats bound the throughput.
+        assert point.goodput <= throughput <= learn_pictures.LOAD_SEATS / learn_pictures.LOAD_OUTPUT
+    waits = [statistics.median(point.ttft) for point in points]
+    assert waits[0] == 1 and waits[-1] > learn_pictures.TTFT_SLO_STEPS
+
+
+@pytest.mark.native_kernels
 def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> None:
     history = recorded["kv_pool.png"]
     totals = {step.used + step.cached + step.free for step in history}
@@ -246,11 +307,12 @@ def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> No
     assert history[-1].preemptions > 0 and history[-1].used == 0
 
 
-def test_picture_script_draws_every_picture(qwen3_dir: str, tmp_path: Path, one_thread: None) -> None:
+def test_picture_script_draws_every_picture(recorded: dict[str, object], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    written = learn_pictures.draw_all(qwen3_dir, tmp_path)
-    assert sorted(p.name for p in written) == sorted(learn_pictures.PICTURES)
-    for path in written:
+    for name, (_, draw) in learn_pictures.PICTURES.items():
+        draw(recorded[name], tmp_path / name)
+    for name in learn_pictures.PICTURES:
+        path = tmp_path / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 

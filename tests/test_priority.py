@@ -27,7 +27,7 @@ from nanoqwen import LLM, LLMEngine
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import EngineConfig
 from nanoqwen.scheduling.request import Request, Status
-from nanoqwen.scheduling.waiting_queue import WaitingQueue, urgency
+from nanoqwen.scheduling.waiting_queue import PRIORITY_RANGE, WaitingQueue, urgency
 
 VOCAB = 800
 
@@ -116,7 +116,13 @@ def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
         llm.generate([[5], [6]], greedy(2), priority=1)
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.generate([[5], [6]], greedy(2), priority=[0, "high"])
+    # Bounded, so that aging bounds every wait: a client cannot outrank everyone forever.
+    for bad in (PRIORITY_RANGE[0] - 1, PRIORITY_RANGE[-1] + 1, -(2**40)):
+        with pytest.raises(ValueError, match=r"priority must be in \[-10, 10\]"):
+            llm.engine.add_request([5, 6, 7], greedy(2), priority=bad)
     assert not llm.engine.has_unfinished_requests()
+    for edge in (PRIORITY_RANGE[0], PRIORITY_RANGE[-1]):
+        assert llm.generate([[5, 6, 7]], greedy(2), priority=[edge])[0].finish_reason == "length"
 
 
 def test_stream_and_chat_take_a_priority(qwen2_dir: str) -> None:
@@ -324,7 +330,7 @@ def test_server_takes_a_priority_on_both_routes(qwen2_dir: str) -> None:
     routes = {"/v1/completions": completion, "/v1/chat/completions": chat}
     with running_server(qwen2_dir, scheduling_policy="priority", max_num_seqs=1) as server:
         for path, body in routes.items():
-            for bad in ("1", 1.5, True, [0]):
+            for bad in ("1", 1.5, True, [0], -11, 11, -(2**62)):
                 status, _, error = call(server, "POST", path, {**body, "priority": bad})
                 assert (status, error["error"]["param"]) == (400, "priority"), error
             assert call(server, "POST", path, {**body, "priority": -3})[0] == 200

@@ -117,11 +117,16 @@ CHINESE_CHARS = [chr(code) for code in range(0x4E00, 0x4E00 + 300)]
 EMOJI = [chr(code) for code in range(0x1F600, 0x1F640)]
 
 
+def build_tiny(directory: str | Path, shape: dict[str, Any], seed: int) -> str:
+    """A tiny random checkpoint of `shape` with the tests' tokenizer, in `directory`."""
+    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
+    return str(directory)
+
+
 def build_qwen2(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
     """Qwen2: q/k/v projections with bias, separate (untied) lm_head."""
     shape = {**TINY_SHAPE, "model_type": "qwen2", "tie_word_embeddings": False, **overrides}
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_qwen3(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
@@ -131,8 +136,7 @@ def build_qwen3(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
         **TINY_SHAPE, "model_type": "qwen3", "tie_word_embeddings": True, "head_dim": 32,
         **overrides,
     }
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 # The newer Qwen kinds, as small: experts (Qwen2-MoE with a shared expert and a dense
@@ -154,8 +158,7 @@ def build_qwen2_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> s
         "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1],
         **overrides,
     }
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_qwen3_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
@@ -164,8 +167,7 @@ def build_qwen3_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> s
         **TINY_SHAPE, **TINY_MOE, "model_type": "qwen3_moe", "tie_word_embeddings": False,
         "head_dim": 32, "norm_topk_prob": True, **overrides,
     }
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_qwen3_next(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
@@ -174,16 +176,14 @@ def build_qwen3_next(directory: str | Path, seed: int = 0, **overrides: Any) -> 
         **TINY_SHAPE, **TINY_HYBRID, **TINY_MOE, "model_type": "qwen3_next",
         "shared_expert_intermediate_size": 48, "tie_word_embeddings": False, **overrides,
     }
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_qwen3_5(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
     """Qwen3.5 (dense): the hybrid decoder with separate projections and a dense MLP."""
     shape = {**TINY_SHAPE, **TINY_HYBRID, "model_type": "qwen3_5_text",
              "tie_word_embeddings": True, **overrides}
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_qwen3_5_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> str:
@@ -192,8 +192,7 @@ def build_qwen3_5_moe(directory: str | Path, seed: int = 0, **overrides: Any) ->
         **TINY_SHAPE, **TINY_HYBRID, **TINY_MOE, "model_type": "qwen3_5_moe_text",
         "shared_expert_intermediate_size": 48, "tie_word_embeddings": False, **overrides,
     }
-    build_checkpoint(directory, shape, build_tokenizer(directory), seed, randomize_constants=True)
-    return str(directory)
+    return build_tiny(directory, shape, seed)
 
 
 def build_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:

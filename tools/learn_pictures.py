@@ -8,14 +8,19 @@ is drawn by hand, so a picture changes when the code does:
     python -m tools.learn_pictures                  # from the repository root: docs/learn/img/
     python -m tools.learn_pictures --out /tmp/pics  # anywhere else
 
-Without `--model` it builds the tiny Qwen3 checkpoint the tests use (seeded: the same
-pictures every run). matplotlib is an optional extra: `pip install -e ".[plot]"`.
+Without `--model` it builds the tiny Qwen3 checkpoint the tests use (seeded, and run in
+float32 on one CPU thread, on a GPU machine too: the same pictures every run, whatever the
+CPU; the step timings of `one_step.png` excepted, which are this machine's CPU's).
+matplotlib is an optional extra: `pip install -e ".[plot]"`.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -30,10 +35,11 @@ from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.runner import StepInputs
 from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import open_checkpoint
-from tools.bench_decode import observe
+from tools.bench_decode import STEP_PHASES, observe
 
 IMAGE_DIR = Path(__file__).resolve().parents[1] / "docs" / "learn" / "img"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+ON_THE_CPU = {"device": "cpu", "dtype": "float32"}  # every engine here: the same pictures anywhere
 
 
 class StepRecorder:
@@ -73,7 +79,8 @@ class PageTableSnapshot:
 def collect_page_table(model: str) -> PageTableSnapshot:
     """Three requests sharing a system prompt, one of them decoding, one mid-prefill, after
     an earlier request has finished and left its pages to the prefix cache."""
-    engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4)
+    engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4,
+                       **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     system = list(range(10, 22))  # 12 tokens: three whole pages, shared by everyone
@@ -174,7 +181,7 @@ class TreeNode:
 def collect_radix_tree(model: str) -> tuple[TreeNode, int]:
     """The prefix cache after a three-turn chat and a second chat with the same system
     prompt; returns the tree and the number of pages the cache holds."""
-    engine = LLMEngine(model, page_size=8, num_pages=128)
+    engine = LLMEngine(model, page_size=8, num_pages=128, **ON_THE_CPU)
     tokenizer = engine.tokenizer
     params = SamplingParams(max_tokens=12, **GREEDY)
     system = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
@@ -241,7 +248,7 @@ class TimelineStep:
 def collect_timeline(model: str, chunk_size: int = 32) -> tuple[list[TimelineStep], int]:
     """Four requests decode while two long prompts arrive (at steps 4 and 9): each step
     carries every decode plus at most `chunk_size` prompt tokens."""
-    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size)
+    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size, **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     arrivals = {0: [12, 14, 10, 16], 4: [150], 9: [90]}
@@ -302,7 +309,7 @@ def collect_speculation(model: str) -> list[Verification]:
     """Prompt-lookup speculation (4 guesses a step) on prompts that repeat themselves: every
     step of every request that got tokens, with what was guessed and what was kept."""
     engine = LLMEngine(model, speculative="ngram", num_speculative_tokens=4, page_size=8,
-                       num_pages=128)
+                       num_pages=128, **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     phrase = list(range(120, 132))
@@ -447,7 +454,8 @@ class PoolStep:
 def collect_pool(model: str) -> list[PoolStep]:
     """Twelve requests with a shared prefix in a pool too small for all of them at once:
     pages fill, cached pages are evicted, and requests are preempted and recomputed."""
-    engine = LLMEngine(model, page_size=8, num_pages=48, chunk_size=64, max_num_seqs=12)
+    engine = LLMEngine(model, page_size=8, num_pages=48, chunk_size=64, max_num_seqs=12,
+                       **ON_THE_CPU)
     shared = list(range(30, 62))
     for i in range(12):
         prompt = shared + [100 + 7 * i + j for j in range(8 + 6 * (i % 3))]
@@ -482,6 +490,177 @@ def draw_pool(history: list[PoolStep], path: Path) -> None:
     _save(fig, path)
 
 
+# --------------------------------------------------------------------------- 7. one step
+@dataclass
+class StepTiming:
+    """One `engine.step()`: its rows and new tokens, and when each phase of it ran, in
+    seconds from the step's start (`STEP_PHASES`, as `tools.bench_decode.observe` names
+    them; "postprocess" twice: the scheduler's `advance`, then appending the tokens)."""
+
+    rows: int
+    tokens: int
+    phases: list[tuple[str, float, float]]
+    total: float
+
+
+class PhaseClock:
+    """A step observer that keeps when every phase of the current step began and ended."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.phases: list[tuple[str, float, float]] = []
+        self.rows = self.tokens = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        begun = time.perf_counter() - self.start
+        try:
+            yield
+        finally:
+            if self.phases and self.phases[-1][0] == name:  # appending, request by request
+                begun = self.phases.pop()[1]
+            self.phases.append((name, begun, time.perf_counter() - self.start))
+
+    def laid_out(self, rows: list[Row], inputs: StepInputs) -> None:
+        self.rows, self.tokens = len(rows), sum(len(row.token_ids) for row in rows)
+
+
+def collect_one_step(model: str) -> list[StepTiming]:
+    """Three prompts, then a fourth arriving mid-flight: every step's phases on the clock."""
+    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=64, **ON_THE_CPU)
+    clock = PhaseClock()
+    observe(engine, clock)
+    arrivals = {0: [40, 24, 8], 3: [56]}
+    steps: list[StepTiming] = []
+    while len(steps) in arrivals or engine.has_unfinished_requests():
+        for length in arrivals.get(len(steps), []):
+            prompt = [50 + (7 * i + length) % 600 for i in range(length)]
+            engine.add_request(prompt, SamplingParams(max_tokens=5, **GREEDY))
+        clock.phases, clock.start = [], time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - clock.start
+        steps.append(StepTiming(clock.rows, clock.tokens, clock.phases, total))
+    return steps
+
+
+PHASE_COLORS = {
+    "schedule": "#8cb4d8", "propose": "#c9a0dc", "prepare": "#f4a259", "forward": "#5b8e7d",
+    "sample": "#d0605e", "postprocess": "#bbbbbb",
+}
+PHASE_LABELS = {
+    "schedule": "schedule", "propose": "step hooks: before layout", "prepare": "lay out",
+    "forward": "forward", "sample": "choose tokens", "postprocess": "advance, append tokens",
+}
+
+
+def draw_one_step(steps: list[StepTiming], path: Path) -> None:
+    plt, patches = _pyplot()
+    fig, axes = plt.subplots(figsize=(11, 0.42 * len(steps) + 1.6))
+    for y, step in enumerate(steps):
+        for name, start, end in step.phases:
+            axes.barh(y, (end - start) * 1000, left=start * 1000, color=PHASE_COLORS[name],
+                      edgecolor="black", lw=0.3, height=0.7)
+            if name == "sample":  # the sampled ids' copy: where a GPU makes the host wait
+                axes.plot(end * 1000, y, marker="v", color="black", markersize=6)
+        rows = f"{step.rows} row{'s' * (step.rows != 1)}, {step.tokens} token{'s' * (step.tokens != 1)}"
+        axes.text(step.total * 1000 + 0.05, y, rows, va="center", fontsize=7)
+    axes.invert_yaxis()
+    axes.set_yticks(range(len(steps)), [f"step {i}" for i in range(len(steps))], fontsize=7)
+    axes.set_xlabel("milliseconds from the start of engine.step() (tiny model, CPU, one thread)")
+    axes.set_xlim(0, max(step.total for step in steps) * 1000 * 1.25)
+    used = [name for name in STEP_PHASES if any(p[0] == name for s in steps for p in s.phases)]
+    handles = [patches.Patch(color=PHASE_COLORS[n], label=PHASE_LABELS[n]) for n in used]
+    handles.append(axes.plot([], [], "v", color="black", label="host waits for the device")[0])
+    axes.legend(handles=handles, fontsize=7, loc="lower right")
+    axes.set_title("One engine step after another: schedule → lay out → forward → choose tokens "
+                   "→ advance, append;\nthe one synchronisation is the copy of the chosen ids "
+                   "(▼)", fontsize=10)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 8. load
+# Requests per step arriving as a Poisson process, and the engine that serves them: 4 seats,
+# each request holding one for about LOAD_OUTPUT steps, so about 0.38 requests per step fit.
+LOAD_RATES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+LOAD_REQUESTS, LOAD_PROMPT, LOAD_OUTPUT, LOAD_SEATS = 40, 16, 10, 4
+TTFT_SLO_STEPS = 10  # what "good" means for goodput: a first token within 10 steps
+
+
+@dataclass
+class LoadPoint:
+    """One arrival rate: each request's time to first token (steps from its arrival to the
+    step that gave its first token) and steps per later token, and how many steps it all
+    took."""
+
+    rate: float
+    ttft: list[int]
+    tpot: list[float]
+    steps: int
+
+    @property
+    def goodput(self) -> float:
+        """Requests per step whose first token came within `TTFT_SLO_STEPS`."""
+        return sum(t <= TTFT_SLO_STEPS for t in self.ttft) / self.steps
+
+
+def collect_load(model: str) -> list[LoadPoint]:
+    """The same requests at rising arrival rates; latency counted in engine steps."""
+    return [_serve_at(model, rate) for rate in LOAD_RATES]
+
+
+def _serve_at(model: str, rate: float) -> LoadPoint:
+    rng = random.Random(0)
+    arrival, arrivals = 0.0, []
+    for _ in range(LOAD_REQUESTS):
+        arrival += rng.expovariate(rate)  # Poisson: exponential gaps between arrivals
+        arrivals.append(int(arrival))
+    engine = LLMEngine(model, page_size=8, num_pages=256, chunk_size=64, max_num_seqs=LOAD_SEATS,
+                       **ON_THE_CPU)
+    params = SamplingParams(max_tokens=LOAD_OUTPUT, **GREEDY)
+    arrived, first, last = {}, {}, {}
+    step = 0
+    while len(arrived) < len(arrivals) or engine.has_unfinished_requests():
+        while len(arrived) < len(arrivals) and arrivals[len(arrived)] <= step:
+            prompt = [rng.randrange(50, 750) for _ in range(LOAD_PROMPT)]
+            arrived[engine.add_request(prompt, params)] = step
+        step += 1
+        for output in engine.step():
+            if output.delta_token_ids:
+                first.setdefault(output.request_id, step)
+                last[output.request_id] = step
+    ttft = [first[rid] - arrived[rid] for rid in arrived]
+    tpot = [(last[rid] - first[rid]) / (LOAD_OUTPUT - 1) for rid in arrived]
+    return LoadPoint(rate, ttft, tpot, step)
+
+
+def draw_load(points: list[LoadPoint], path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, (latency, served) = plt.subplots(1, 2, figsize=(11, 3.8))
+    rates = [p.rate for p in points]
+    for q, style in ((50, "-o"), (95, "--o")):
+        latency.plot(rates, [statistics.quantiles(p.ttft, n=100)[q - 1] for p in points], style,
+                     color="#d0605e", label=f"time to first token, P{q}")
+    latency.plot(rates, [statistics.median(p.tpot) for p in points], "-s", color="#5b8e7d",
+                 label="steps per later token, P50")
+    latency.axhline(TTFT_SLO_STEPS, color="#999999", ls=":", lw=1)
+    latency.set_xlabel("arrival rate (requests per step, Poisson)")
+    latency.set_ylabel("engine steps")
+    latency.set_yscale("log")
+    latency.legend(fontsize=8)
+    served.plot(rates, rates, ":", color="#999999", label="offered load")
+    served.plot(rates, [len(p.ttft) / p.steps for p in points], "-o", color="#3060a0",
+                label="throughput: requests finished per step")
+    served.plot(rates, [p.goodput for p in points], "-o", color="#f4a259",
+                label=f"goodput: of them, first token within {TTFT_SLO_STEPS} steps")
+    served.set_xlabel("arrival rate (requests per step, Poisson)")
+    served.set_ylabel("requests per step")
+    served.legend(fontsize=8)
+    fig.suptitle(f"{LOAD_SEATS} seats, {LOAD_REQUESTS} requests of {LOAD_PROMPT} + {LOAD_OUTPUT} "
+                 "tokens: past the rate the seats can serve, waits grow without bound",
+                 fontsize=10)
+    _save(fig, path)
+
+
 # --------------------------------------------------------------------------- all of them
 PICTURES = {
     "page_table.png": (collect_page_table, draw_page_table),
@@ -490,6 +669,8 @@ PICTURES = {
     "speculation.png": (collect_speculation, draw_speculation),
     "tensor_parallel.png": (collect_tensor_parallel, lambda data, path: draw_tensor_parallel(*data, path)),
     "kv_pool.png": (collect_pool, draw_pool),
+    "one_step.png": (collect_one_step, draw_one_step),
+    "load.png": (collect_load, draw_load),
 }
 
 

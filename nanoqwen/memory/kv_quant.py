@@ -9,7 +9,7 @@ clamped to fp8's ±448 (casting a larger value is undefined on some torch versio
 
 Invariant: `gather` of a page returns, for every vector `write` stored there, its codes
 times its scale: within half a code step of the vector written. The story:
-docs/learn/12-quantization.md.
+docs/learn/14-quantization.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ is cached, reusable and evictable; one a request holds is in use. Eviction is
 least-recently-used over leaves, each trimmed from its end; an emptied leaf is removed.
 
 Invariants: every shared page is read-only; eviction never frees a page a request holds;
-the tree holds exactly `num_pages` pages. The story: docs/learn/06-radix-prefix-cache.md.
+the tree holds exactly `num_pages` pages. The story: docs/learn/07-radix-prefix-cache.md.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ slot is needed; a prefix may keep its pages without a snapshot.
 
 Invariants: free + running + snapshot slots == `num_slots` when nothing is in flight;
 no two rows of a step share a slot; a snapshot's state is the state after its prefix.
-The story: docs/learn/15-hybrid-attention.md.
+The story: docs/learn/17-hybrid-attention.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ of the checkpoint tensor, so no rank ever holds a full weight it does not keep.
 
 Invariant: the ranks' slices of a weight cover it exactly (KV heads fewer than the ranks
 are replicated), and after every all-reduce all ranks hold the same hidden state. The
-story, with a picture: docs/learn/11-tensor-parallelism.md.
+story, with a picture: docs/learn/13-tensor-parallelism.md.
 """
 
 from __future__ import annotations

@@ -6,5 +6,5 @@ decoder reads like the one-device model; this room is what runs around it. Read
 sends each step to the others), `worker.py` (a worker process's life), `workers.py` (rank
 0's handle on them: steps, deaths, shutdown) and `step_broadcast.py` (each step's inputs
 sent from rank 0 to the others). The story, with a picture of the split:
-docs/learn/11-tensor-parallelism.md.
+docs/learn/13-tensor-parallelism.md.
 """

@@ -1,8 +1,8 @@
 """Bringing up the ranks of a split model: checks first, then the processes, then the group.
 
-`start_ranks` is the one call the engine makes. With one rank it returns `ALONE` at once.
-With N it first refuses what cannot split (heads that don't divide, weights that don't
-slice), before any process exists; then it starts ranks 1..N-1, each a fresh
+`start_split_model` is the one call the engine makes, for N > 1 ranks. It first refuses
+what cannot split (heads that don't divide, weights that don't slice), before any process
+exists; then it starts ranks 1..N-1, each a fresh
 `python -m nanoqwen.parallel.worker` process told its job through its stdin. Being their
 own entry point, workers never import the user's main module: a script without an
 `if __name__ == "__main__":` guard, a script piped on stdin and `python -c` all work.
@@ -52,8 +52,6 @@ class Ranks:
     device: torch.device | None = None  # None: the engine's own
     workers: Workers | None = None
 
-
-ALONE = Ranks()
 
 
 # Given its `Ranks`, build a rank's runner, ready to run steps (sized and allocated alike
@@ -107,8 +105,6 @@ class WorkerJob:
 def start_ranks(config: EngineConfig, checkpoint: Checkpoint, start_runner: RunnerStarter) -> Ranks:
     """Bring up all `config.tensor_parallel_size` ranks; return rank 0's `Ranks`."""
     size = config.tensor_parallel_size
-    if size == 1:
-        return ALONE
     shape = checkpoint.model_config
     check_splittable_shape(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size)
     if shape.moe is not None:

@@ -20,7 +20,7 @@ and oversized steps run eagerly. On the CPU there are no graphs, but asking for
 `decode_buckets` runs the same padding and buffers, which is how the tests check them.
 
 Invariant: a replayed step computes exactly what the eager step would for its real rows;
-padding rows write only to the scratch page. The story: docs/learn/09-cuda-graphs.md.
+padding rows write only to the scratch page. The story: docs/learn/10-cuda-graphs.md.
 """
 
 from __future__ import annotations

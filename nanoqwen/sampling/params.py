@@ -92,7 +92,7 @@ class SamplingParams:
     @property
     def asks_for_more(self) -> bool:
         """Does the request want anything beyond the core draw (a logits processor, a
-        grammar, logprobs)? The engine plugs those features in (`LLMEngine._plug_in`)."""
+        grammar, logprobs)? The engine plugs those features in (`sampling/extras.py`)."""
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0 or self.logit_bias is not None

@@ -18,7 +18,7 @@ A plain request meets none of them: its token goes straight from the logits to t
 Invariant: a row's result depends only on that row's logits, parameters, token history and
 generator, so a seeded request gets the same tokens whatever shares its batch, in whichever
 row; every filter is an exact no-op for rows that disable it. The story:
-docs/learn/08-sampling.md.
+docs/learn/09-sampling.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Invariants: between steps a running request holds exactly the pages its computed
 fill, and only tokens a request has are ever offered to the prefix cache; a request is
 never displaced by one of equal or lower aged priority, so nothing ping-pongs and no wait
 is unbounded. Preemptions are counted by cause ("kv_pages", "max_num_seqs"). The story:
-docs/learn/02-continuous-batching.md, 05-chunked-prefill.md and 07-preemption-and-priority.md.
+docs/learn/02-continuous-batching.md, 06-chunked-prefill.md and 08-preemption-and-priority.md.
 """
 
 from __future__ import annotations

@@ -9,14 +9,15 @@ waiting, so that no request waits forever. The key
 computed once at arrival, orders requests exactly as their effective priorities do at
 every step: compare two requests at step `t` and `t` cancels. So the heap never needs
 re-sorting. With `aging_steps = 0` the key is the priority itself; "fcfs" is the same
-machinery with every request at level 0. An fcfs engine refuses a non-zero priority
-(`check_priority`) rather than silently ignore it.
+machinery with every request at level 0. Priorities lie in `PRIORITY_RANGE`, and an fcfs
+engine refuses a non-zero one (`check_priority`) rather than silently ignore it.
 
 Invariant: a request's key never changes, while it waits or while it runs (the scheduler
-compares running and waiting keys to choose whom to preempt). So once a request has
-waited long enough it outranks every later arrival and cannot be pushed out by them: its
-wait is bounded. The derivation, and why aging by whole levels would not give one key:
-docs/learn/07-preemption-and-priority.md.
+compares running and waiting keys to choose whom to preempt). A later arrival's key is at
+least `min(PRIORITY_RANGE) * aging_steps` plus its arrival step, so arrivals from step
+`key - min(PRIORITY_RANGE) * aging_steps` on rank below a waiting request: its wait is
+bounded (unbounded priorities would let a client starve everyone). The derivation, and
+why aging by whole levels would not give one key: docs/learn/08-preemption-and-priority.md.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ import heapq
 
 from nanoqwen.scheduling.request import Request, Urgency
 
+# The priorities a request may ask for (lower is served sooner): bounded, so that aging
+# bounds every wait.
+PRIORITY_RANGE = range(-10, 11)
+
 
 def check_priority(priority: object, policy: str) -> None:
-    """A ValueError unless `priority` is an integer that `policy` can honour."""
+    """A ValueError unless `priority` is an integer in `PRIORITY_RANGE` that `policy` can
+    honour."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority not in PRIORITY_RANGE:
+        low, high = PRIORITY_RANGE[0], PRIORITY_RANGE[-1]
+        raise ValueError(f"priority must be in [{low}, {high}], got {priority}")
     if priority != 0 and policy != "priority":
         raise ValueError(
             f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r})"

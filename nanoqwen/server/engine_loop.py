@@ -27,7 +27,7 @@ and keeps serving; any other failure stops the loop for good (`NotServing`; `sta
 Invariant: every admitted engine request is either in the engine with a route to its
 queue, or finished, with its final output (or failure) delivered and its admission slot
 released. So stopping is: stop taking commands, abort what the engine holds, end the
-thread. The story: docs/learn/13-server.md.
+thread. The story: docs/learn/15-server.md.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ localhost. So a POST must be `Content-Type: application/json` (a page can't send
 cross-site without the server's consent), a request whose `Origin` is not the server's
 own is refused unless `allowed_origins` lists it, and a server bound to loopback answers
 only requests whose `Host` is a loopback name, so a DNS name rebound to 127.0.0.1 gets
-nothing. The story: docs/learn/13-server.md; every limit and error: docs/server.md.
+nothing. The story: docs/learn/15-server.md; every limit and error: docs/server.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Invariant: the draft model's KV cache uses the target's page numbers, and a requ
 first `num_computed_tokens` tokens have K/V in both pools: the draft model runs every row
 of the target's step first (prefilling chunk by chunk with it), then its drafts, so
 whichever drafts are accepted, both pools hold them. The story:
-docs/learn/10-speculative-decoding.md.
+docs/learn/12-speculative-decoding.md.
 """
 
 from __future__ import annotations

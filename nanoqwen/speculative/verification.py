@@ -17,7 +17,7 @@ processors, temperature, top-k/top-p/min-p), with the drafts before the row in i
 
 Invariant: every emitted token is distributed exactly as if the target had sampled it
 alone; greedy output is what decoding one token at a time gives. The proof, and a picture
-of accepted and rejected drafts: docs/learn/10-speculative-decoding.md.
+of accepted and rejected drafts: docs/learn/12-speculative-decoding.md.
 """
 
 from __future__ import annotations

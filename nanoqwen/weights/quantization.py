@@ -23,10 +23,8 @@ model's dtype, as GPTQ and AWQ checkpoints keep them. Kernels exist (torchao 0.1
 **int8 on a CPU** is `Int8Linear` instead: torch's own int8 kernel
 (`_weight_int8pack_mm`), fed bfloat16 activations (it is fast for those alone), and the
 lm_head too, since at batch 1 the vocabulary projection is a large share of what a token
-reads. torchao's int8 tensor reaches that kernel only after slower paths: for one
-token through a 1536 x 8960 layer on 2 AVX2 cores, 0.6 ms here against 3.0 ms (bfloat16)
-and 25 ms (float32) through torchao, and 3.4 ms dense in float32 (`docs/learn/`, the
-quantization note, has the commands).
+reads. torchao's int8 tensor reaches that kernel only after slower paths, several times
+slower for one token (docs/quantization.md has the figures and the commands).
 
 **int4 of a GGUF file on a CPU** is `Int4Linear`: the kernel's `(code - 8) * scale + zero`
 can hold GGUF's 4-bit types (Q4_0, Q4_1, Q4_K: `code * scale + offset` per 32 weights)
