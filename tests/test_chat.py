@@ -571,6 +571,9 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
     assert stats["kv_total_bytes"] == decimal(kv_total)
     assert stats["kv_used_bytes"] == "0 bytes"
     assert re.fullmatch(r"\d+\.\d [MG]B", stats["resident_bytes"])
+    # Where the memory goes: the weights as loaded, the KV cache, and what else is resident.
+    assert f"weights {stats['weight_bytes']} (float32)" in banner
+    assert re.search(r"in RAM \d+\.\d [MG]B \(\d+\.\d [MG]B besides weights and KV cache\)", banner)
     assert "hit_rate" in stats and "proposed_tokens" not in stats  # no speculation, no row
     child.sendeof()
     child.expect(pexpect.EOF)

@@ -96,7 +96,7 @@ def step_shape(rows: list[Row]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def small_engine(qwen3_dir: str) -> LLMEngine:
     """Tight limits and a small pool, so steps hit every limit and requests get preempted."""
-    return LLMEngine(qwen3_dir, device="cpu", num_pages=40, **LIMITS)
+    return LLMEngine(qwen3_dir, num_pages=40, **LIMITS)
 
 
 WORKLOADS = st.lists(

@@ -16,6 +16,7 @@ from oracle import greedy, hf_greedy, random_prompts
 from quantized_helpers import build_wide, largest_greedy_gap, quantized_llm
 
 from nanoqwen import LLM
+from nanoqwen.cli import weights_kept_as
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, WeightQuantization
@@ -194,6 +195,7 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
     token 0.34 below the best."""
     path = write_gguf(wide_dirs[architecture], tmp_path / "model.gguf", k_quant_mix)
     llm = LLM(path, device="cpu", num_pages=64)
+    assert weights_kept_as(llm.engine) == "the file's 4-bit codes, int8 for its other types"
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and isinstance(layer.self_attn.o_proj, Int4Linear)
@@ -207,6 +209,8 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
 
 def test_int8_asked_for_makes_every_linear_of_a_4_bit_file_int8(wide_dirs: dict[str, str], tmp_path: Path) -> None:
     path = write_gguf(wide_dirs["qwen2"], tmp_path / "model.gguf", k_quant_mix)
-    model = quantized_llm(path, "int8", device="cpu").engine.runner.model
+    engine = quantized_llm(path, "int8", device="cpu").engine
+    assert weights_kept_as(engine) == "int8 codes from GGUF"  # as chat's banner and serve's log say
+    model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))]
     assert linears and all(isinstance(linear, Int8Linear) for linear in linears)

@@ -409,10 +409,11 @@ def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
     try:
         # Where the model runs and what it holds, as chat's banner says it.
         llm = LLM(qwen3_dir, device="cpu", max_num_seqs=2)
-        kv = llm.stats()["kv_cache"]
+        kv, memory = llm.stats()["kv_cache"], llm.stats()["memory"]
         summary = (
-            f"cpu (float32) · context {llm.engine.max_model_len:,} tokens · "
-            f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})"
+            f"cpu (float32) · weights {decimal(memory['weight_bytes'])} (float32) · "
+            f"context {llm.engine.max_model_len:,} tokens · "
+            f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])}) · in RAM "
         )
         assert re.search(r"loaded in \d+\.\d s: " + re.escape(summary), "".join(log))
         base_url = f"http://127.0.0.1:{port}/v1"
