@@ -10,6 +10,7 @@ checkpoint they were written from instead.
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from oracle import greedy, hf_greedy, random_prompts
@@ -20,7 +21,7 @@ from nanoqwen.cli import weights_kept_as
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, WeightQuantization
-from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes
+from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes, open_gguf
 from nanoqwen.weights.quantization import Int4Linear, Int8Linear
 from tools.checkpoints import IM_END, build_qwen3, generate_corpus
 from tools.gguf_files import F, all_of, k_quant_mix, write_gguf
@@ -156,8 +157,19 @@ def test_four_bit_codes_are_the_files_own(four_bit_tensors: list[gguf.ReaderTens
     for tensor in four_bit_tensors:
         codes = four_bit_codes(tensor)
         assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
-        weight = codes.codes.float() * per_weight(codes.scales) + per_weight(codes.offsets)
-        assert torch.equal(weight, torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type)))
+        expected = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type))
+        assert torch.equal(codes.weight(), expected)  # the weight the loader reads
+
+
+def test_the_reader_reads_what_ggufs_own_reads(qwen3_dir: str, tmp_path: Path) -> None:
+    """`open_gguf`'s plain view of the mapping gives the same metadata and tensors."""
+    path = write_gguf(qwen3_dir, tmp_path / "model.gguf", k_quant_mix)
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert field.contents() == ours.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
 def test_int4_linear_multiplies_by_the_files_weights(four_bit_tensors: list[gguf.ReaderTensor]) -> None:
