@@ -22,6 +22,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gguf
@@ -64,7 +65,8 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
     architecture = gguf_architecture(reader, path)
     directory, gguf_file = from_pretrained_arguments(path)
     try:
-        hf = AutoConfig.from_pretrained(directory, **gguf_file)
+        with transformers_reading_plainly():
+            hf = AutoConfig.from_pretrained(directory, **gguf_file)
     except Exception as error:  # transformers raises many kinds on odd metadata
         message = f"{path}: could not read the model config from its metadata: {error}"
         raise ValueError(message) from error
@@ -88,7 +90,8 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     gguf_architecture(open_gguf(path), path)
     directory, gguf_file = from_pretrained_arguments(path)
     try:
-        return AutoTokenizer.from_pretrained(directory, **gguf_file)
+        with transformers_reading_plainly():
+            return AutoTokenizer.from_pretrained(directory, **gguf_file)
     except Exception as error:  # transformers raises many kinds on odd metadata
         message = f"{path}: could not build the tokenizer from its metadata: {error}"
         raise ValueError(message) from error
@@ -204,6 +207,18 @@ class PlainArrayReader(gguf.GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:  # set by GGUFReader's __init__
         self._plain = mapped.view(np.ndarray)
+
+
+@contextmanager
+def transformers_reading_plainly() -> Iterator[None]:
+    """transformers reads a GGUF file's metadata (for the config, then the tokenizer) with
+    `gguf.GGUFReader`, imported from the package when it reads: give it ours meanwhile."""
+    own = gguf.GGUFReader
+    gguf.GGUFReader = PlainArrayReader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = own
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
