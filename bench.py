@@ -72,14 +72,15 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import random
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,8 @@ from nanoqwen.cli import (
     quiet_library_noise,
 )
 from nanoqwen.config import resolve_device
+from nanoqwen.model.config import DENSE_ARCHITECTURES, ModelConfig
+from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.speculative.proposers import SpeculationStats
 from nanoqwen.stats import kv_cache_group
 from nanoqwen.weights.checkpoint import resolve_model_path
@@ -132,6 +135,14 @@ from tools.bench_floor import (
     measure_bandwidth,
     measure_floor,
 )
+from tools.bench_load import (
+    arrival_times,
+    goodput,
+    latency_ms,
+    parse_goodput,
+    percentiles,
+    request_latencies,
+)
 from tools.bench_peers import (
     PEERS,
     PeerUnavailable,
@@ -140,10 +151,19 @@ from tools.bench_peers import (
     token_agreement,
 )
 from tools.bench_plot import plot_result
-from tools.bench_report import print_report
+from tools.bench_report import print_load_report, print_report
+from tools.bench_servers import nanoqwen_server, vllm_server
+from tools.bench_serving import (
+    Endpoint,
+    ServedRequest,
+    describe_rate,
+    drive,
+    summarize_served,
+)
 from tools.checkpoints import PRESETS, random_checkpoint
 
 SCENARIOS = ("random", "shared-prefix", "multi-turn", "priority", "copy")
+SERVED_SCENARIOS = ("random", "shared-prefix", "copy")  # one turn each: a server's requests
 # The priority scenario: one request in URGENT_EVERY is urgent.
 URGENT_EVERY, URGENT_PRIORITY, BACKGROUND_PRIORITY = 4, 0, 1
 # What the priority scenario compares, in the order it runs them.
@@ -177,6 +197,7 @@ class Turn:
     output_len: int
     priority: int = 0
     arrival_step: int = 0  # a first turn is submitted before this engine step (0: at once)
+    arrival_s: float = 0.0  # ... and not before this many seconds into the run
 
 
 Session = list[Turn]  # a conversation; the random scenarios have one turn per session
@@ -210,6 +231,14 @@ def make_sessions(workload: Workload, token_ids: Sequence[int]) -> list[Session]
         num_turns = min(workload.turns, workload.num_seqs - first)
         sessions.append([Turn(tokens(input_len()), output_len()) for _ in range(num_turns)])
     return sessions
+
+
+def with_arrivals(sessions: Sequence[Session], rate: float, seed: int) -> list[Session]:
+    """The sessions with their first turns arriving at `rate` per second (Poisson, seeded;
+    all at once for an infinite rate: `bench_load.arrival_times`)."""
+    times = arrival_times(len(sessions), rate, seed)
+    return [[replace(session[0], arrival_s=at), *session[1:]]
+            for session, at in zip(sessions, times)]
 
 
 def continue_prompts(engine: LLMEngine, sessions: Sequence[Session]) -> list[Session]:
@@ -312,31 +341,63 @@ class EngineRun:
     read_bytes_per_token: int  # the weights one decode step reads (`bench_floor.py`)
     # Each finished turn's output tokens, by (conversation, turn): runs are compared by them.
     outputs: dict[tuple[int, int], list[int]]
+    texts: dict[tuple[int, int], str]  # ... and its text, which a server's answer is checked by
     floor: Metrics | None = None  # with --floor: `measure_floor`'s figures for this run
+    swaps: dict[str, int] | None = None  # with --preemption-mode swap: the run's `swap` counts
 
 
 class SessionDriver:
-    """Feeds conversations to the engine: first turns at their arrival step, each next turn
-    when the one before it finishes."""
+    """Feeds conversations to the engine: first turns at their arrival (an engine step, a
+    time), at most `max_concurrency` conversations at once; each next turn when the one
+    before it finishes."""
 
-    def __init__(self, engine: LLMEngine, sessions: Sequence[Session], temperature: float) -> None:
+    def __init__(
+        self, engine: LLMEngine, sessions: Sequence[Session], temperature: float,
+        max_concurrency: int | None = None,
+    ) -> None:
         self.engine = engine
         self.sessions = sessions
         self.temperature = temperature
+        self.max_concurrency = max_concurrency or len(sessions)
         self.records: dict[str, RequestTiming] = {}
         self.outputs: dict[tuple[int, int], list[int]] = {}
+        self.texts: dict[tuple[int, int], str] = {}
         self._position: dict[str, tuple[int, int]] = {}  # request id → (session, turn)
         # Conversations not started yet, the next to arrive last.
         self.pending = sorted(
-            range(len(sessions)), key=lambda s: sessions[s][0].arrival_step, reverse=True
+            range(len(sessions)),
+            key=lambda s: (sessions[s][0].arrival_step, sessions[s][0].arrival_s), reverse=True,
         )
+        self.in_flight = 0  # conversations started and not finished
+        self.start = self.slot_freed = time.perf_counter()  # when a conversation last ended
+        self._was_full = False  # the limit was reached as the step under way began
         # An fcfs engine refuses priorities; it serves every request as equal anyway.
         self._use_priorities = engine.config.scheduling_policy == "priority"
 
     def submit_arrivals(self, step: int) -> None:
-        """Start every conversation whose first turn arrives by engine step `step`."""
-        while self.pending and self.sessions[self.pending[-1]][0].arrival_step <= step:
-            self._submit(self.pending.pop(), 0, [], step)
+        """Start every conversation whose first turn has arrived by engine step `step` and
+        by now, as far as `max_concurrency` lets them in."""
+        now = time.perf_counter()
+        while self.pending and self.in_flight < self.max_concurrency:
+            first = self.sessions[self.pending[-1]][0]
+            if first.arrival_step > step or self.start + first.arrival_s > now:
+                break
+            # Its wait counts from its arrival, through the step under way, as at a server;
+            # one the concurrency limit held back arrives when a finished one made room.
+            arrived = now if first.arrival_step else self.start + first.arrival_s
+            if self._was_full:
+                arrived = max(arrived, self.slot_freed)
+            self.in_flight += 1
+            self._submit(self.pending.pop(), 0, [], step, arrived)
+        self._was_full = self.in_flight >= self.max_concurrency
+
+    def next_arrival_s(self) -> float | None:
+        """When the next conversation arrives, in seconds into the run, if it arrives by
+        the clock and no earlier request is still being served."""
+        if not self.pending or self.in_flight or self.engine.has_unfinished_requests():
+            return None
+        first = self.sessions[self.pending[-1]][0]
+        return first.arrival_s if first.arrival_s > 0 and first.arrival_step == 0 else None
 
     def record(self, output: RequestOutput, now: float, steps: int) -> None:
         """Note what a step (the `steps`-th) did for one request; a finished turn submits
@@ -349,11 +410,17 @@ class SessionDriver:
             record.finished = now
             session, turn = self._position[output.request_id]
             self.outputs[session, turn] = list(output.token_ids)
+            self.texts[session, turn] = output.text
             if turn + 1 < len(self.sessions[session]):
                 history = record.prompt_token_ids + output.token_ids
-                self._submit(session, turn + 1, history, steps)
+                self._submit(session, turn + 1, history, steps, time.perf_counter())
+            else:
+                self.in_flight -= 1
+                self.slot_freed = now
 
-    def _submit(self, session: int, turn: int, history: list[int], step: int) -> None:
+    def _submit(
+        self, session: int, turn: int, history: list[int], step: int, submitted: float
+    ) -> None:
         spec = self.sessions[session][turn]
         prompt = history + spec.new_token_ids
         # Sampled requests are seeded by their order, so every run draws the same way.
@@ -364,7 +431,7 @@ class SessionDriver:
         priority = spec.priority if self._use_priorities else 0
         request_id = self.engine.add_request(prompt, params, priority=priority)
         self.records[request_id] = RequestTiming(
-            prompt, spec.output_len, spec.priority, (session, turn), time.perf_counter(), step
+            prompt, spec.output_len, spec.priority, (session, turn), submitted, step
         )
         self._position[request_id] = (session, turn)
 
@@ -376,9 +443,11 @@ def run_engine(
     temperature: float,
     progress: Progress,
     description: str,
+    max_concurrency: int | None = None,
 ) -> EngineRun:
     """Serve every session to completion, timing each request and (with `timer`, installed
-    on `engine`) each step's phases."""
+    on `engine`) each step's phases. An engine with nothing to do waits for the next
+    arrival (its wait counts in the wall time, and in the next step's seconds)."""
     engine.reset_prefix_cache()  # a previous round's prompts must not be cache hits
     timer.reset()
     before = engine.stats()
@@ -386,11 +455,14 @@ def run_engine(
     output_tokens = sum(turn.output_len for session in sessions for turn in session)
     task = add_progress_task(progress, description, num_requests, output_tokens)
     done = 0
-    driver = SessionDriver(engine, sessions, temperature)
+    driver = SessionDriver(engine, sessions, temperature, max_concurrency)
     steps = generated = request_steps = 0
     per_step: dict[str, list[float]] = {name: [] for name in PER_STEP_FIGURES}
-    start = now = time.perf_counter()
+    start = now = driver.start
     while engine.has_unfinished_requests() or driver.pending:
+        idle_until = driver.next_arrival_s()
+        if idle_until is not None:
+            time.sleep(max(start + idle_until - time.perf_counter(), 0.0))
         driver.submit_arrivals(steps)
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         step_start, scheduled_before = now, timer.scheduled_tokens
@@ -433,10 +505,14 @@ def run_engine(
             grown(before, after, "speculative", key)
             for key in ("proposed_tokens", "accepted_tokens", "verifications")
         )) if "speculative" in after else None,
+        swaps={key: grown(before, after, "swap", key)
+               for key in ("swaps_out", "swaps_in", "pages_out", "pages_in", "recomputed")}
+        if "swap" in after else None,
         per_step=per_step,
         weight_bytes=weight_memory_bytes(engine.runner.model),
         read_bytes_per_token=bytes_read_per_token(engine.runner.model),
         outputs=driver.outputs,
+        texts=driver.texts,
     )
 
 
@@ -511,21 +587,6 @@ def tok_s_so_far(tokens: int, seconds: float) -> str:
 
 
 # --------------------------------------------------------------------------- summaries
-def percentile(values: Sequence[float], q: int) -> float:
-    """The `q`-th percentile (1-99), interpolating between ranks; 0 for no values."""
-    if len(values) < 2:
-        return float(values[0]) if values else 0.0
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
-
-
-def latency_ms(seconds: Sequence[float]) -> dict[str, float]:
-    return {name: value * 1000 for name, value in percentiles(seconds).items()}
-
-
 def throughput(requests: int, input_tokens: int, output_tokens: int, wall_s: float) -> Metrics:
     return {
         "requests": requests,
@@ -537,15 +598,11 @@ def throughput(requests: int, input_tokens: int, output_tokens: int, wall_s: flo
     }
 
 
-def summarize_engine_run(run: EngineRun) -> Metrics:
+def summarize_engine_run(run: EngineRun, objectives: dict[str, float] | None = None) -> Metrics:
+    """The run's figures; goodput counts the requests that met `objectives` (`bench_load`)."""
     records = run.records
-    ttft = [r.first_token - r.submitted for r in records if r.first_token is not None]
-    e2e = [r.finished - r.submitted for r in records if r.finished is not None]
-    tpot = [
-        (r.finished - r.first_token) / (r.num_output_tokens - 1)
-        for r in records
-        if r.finished is not None and r.first_token is not None and r.num_output_tokens > 1
-    ]
+    latencies = [request_latencies(r.submitted, r.first_token, r.finished, r.num_output_tokens)
+                 for r in records if r.finished is not None and r.first_token is not None]
     input_tokens = sum(len(r.prompt_token_ids) for r in records)
     output_tokens = sum(r.num_output_tokens for r in records)
     started = [r for r in records if r.first_token is not None]
@@ -563,11 +620,12 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
     }
     return {
         **throughput(len(records), input_tokens, output_tokens, run.wall_s),
-        "ttft_ms": latency_ms(ttft),
+        "ttft_ms": latency_ms([lat["ttft"] for lat in latencies]),
         "ttft_by_priority_ms": ttft_by_priority,
         "ttft_by_priority_steps": ttft_steps_by_priority,
-        "tpot_ms": latency_ms(tpot),
-        "e2e_ms": latency_ms(e2e),
+        "tpot_ms": latency_ms([lat["tpot"] for lat in latencies if "tpot" in lat]),
+        "e2e_ms": latency_ms([lat["e2e"] for lat in latencies]),
+        **goodput(latencies, objectives or {}, run.wall_s, len(records)),
         "peak_kv_pages": run.peak_kv_pages,
         "kv_pages_total": run.kv_pages_total,
         "prefix_hit_rate": run.prefix_hit_tokens / max(run.prefix_query_tokens, 1),
@@ -577,6 +635,7 @@ def summarize_engine_run(run: EngineRun) -> Metrics:
         "reduced_thread_steps": run.reduced_thread_steps,
         "tokens_per_request_step": output_tokens / max(run.request_steps, 1),
         **({"speculation": run.speculation.as_dict()} if run.speculation else {}),
+        **({"swaps": run.swaps} if run.swaps is not None else {}),
         "weight_bytes": run.weight_bytes,
         "phases": phase_breakdown(run.phase_seconds, run.steps, run.wall_s),
         "per_step": run.per_step,
@@ -691,6 +750,164 @@ def run_baseline(
     }
 
 
+# --------------------------------------------------------------------------- load and servers
+@dataclass(frozen=True)
+class Load:
+    """How the requests arrive (`bench_load`): one run per rate, each with at most
+    `max_concurrency` requests in flight (None: no limit but the engine's)."""
+
+    rates: tuple[float, ...]
+    max_concurrency: int | None
+    objectives: dict[str, float]  # goodput's latency objectives, in seconds
+    seed: int
+
+    @property
+    def is_offline_batch(self) -> bool:
+        """All at once with no limit: the plain benchmark, with its comparisons."""
+        return self.rates == (math.inf,) and self.max_concurrency is None
+
+
+@dataclass(frozen=True)
+class Servers:
+    """Which servers a load run drives: nanoqwen's own (`--serve`), one already running
+    (`--endpoint`), vLLM's (`--compare vllm`, with its environment's Python)."""
+
+    serve: bool
+    endpoint: str | None
+    vllm_python: str | None
+
+    @property
+    def any(self) -> bool:
+        return self.serve or self.endpoint is not None
+
+
+def rate_key(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+class LoadBench:
+    """Runs of the workload at each of the load's rates, by engine: the in-process engine,
+    and the servers. Every server is started once, driven at each rate, and stopped before
+    the next one starts."""
+
+    def __init__(self, bench: Bench, load: Load, settings: Metrics) -> None:
+        self.bench, self.load, self.settings = bench, load, settings
+        self.rounds: dict[str, dict[str, list[Metrics]]] = {}  # engine → rate → rounds
+        self.texts: dict[str, list[str]] = {}  # the engine's texts at each rate, in order
+
+    def engine_rounds(self, options: dict[str, Any], index: int) -> None:
+        label = "nanoqwen"
+        engine, timer, _ = load_engine(self.bench.model_dir, options)
+        try:
+            warm_up(engine, self.bench.token_ids)
+            for rate in self.load.rates:
+                sessions = with_arrivals(self.bench.sessions, rate, self.load.seed)
+                run = run_engine(
+                    engine, timer, sessions, self.bench.temperature, self.bench.progress,
+                    f"{label}, {describe_rate(rate)}, round {index + 1}",
+                    self.load.max_concurrency,
+                )
+                self.texts[rate_key(rate)] = [run.texts[s, 0] for s in range(len(sessions))]
+                self._add(label, rate, summarize_engine_run(run, self.load.objectives))
+        finally:
+            engine.shutdown()
+        del engine
+        free_memory()
+
+    def server_rounds(self, label: str, server: AbstractContextManager[Endpoint],
+                      index: int) -> None:
+        try:
+            with server as endpoint:
+                self._warm_up(endpoint)
+                for rate in self.load.rates:
+                    description = f"{label}, {describe_rate(rate)}, round {index + 1}"
+                    self._add(label, rate, self._drive(endpoint, rate, description))
+        except PeerUnavailable as error:  # it did not start, or did not answer
+            raise click.ClickException(str(error)) from None
+
+    def _warm_up(self, endpoint: Endpoint) -> None:
+        prompt = random.Random(0).choices(self.bench.token_ids, k=WARMUP_PROMPT_TOKENS)
+        records, _ = drive(endpoint, [(prompt, WARMUP_OUTPUT_TOKENS)] * 2, [0.0, 0.0], None)
+        failed = [r.error for r in records if r.error is not None]
+        if failed:
+            raise click.ClickException(f"{endpoint.url} failed a warm-up request: {failed[0]}")
+
+    def _drive(self, endpoint: Endpoint, rate: float, description: str) -> Metrics:
+        requests = [(session[0].new_token_ids, session[0].output_len)
+                    for session in self.bench.sessions]
+        arrivals = arrival_times(len(requests), rate, self.load.seed)
+        total_output = sum(output_len for _, output_len in requests)
+        task = add_progress_task(self.bench.progress, description, len(requests), total_output)
+        start, tokens, done = time.perf_counter(), 0, 0
+
+        def on_done(record: ServedRequest) -> None:
+            nonlocal tokens, done
+            tokens, done = tokens + record.output_tokens, done + 1
+            rate_so_far = tok_s_so_far(tokens, time.perf_counter() - start)
+            self.bench.progress.update(task, completed=tokens, requests=f"{done}/{len(requests)}",
+                                       tok_s=rate_so_far)
+
+        records, wall = drive(endpoint, requests, arrivals, self.load.max_concurrency, on_done)
+        figures = summarize_served(records, wall, self.load.objectives)
+        reference = self.texts.get(rate_key(rate))
+        if reference is not None:  # the same greedy text as the engine's, request by request
+            figures["agreement"] = token_agreement(reference, [r.text for r in records])
+        return figures
+
+    def _add(self, label: str, rate: float, figures: Metrics) -> None:
+        self.rounds.setdefault(label, {}).setdefault(rate_key(rate), []).append(figures)
+
+    def result(self) -> Metrics:
+        """The median round of every engine at every rate, and each server's output tok/s
+        over the in-process engine's (the same requests, the same arrivals)."""
+        runs = {label: {rate: median_round(rounds) for rate, rounds in by_rate.items()}
+                for label, by_rate in self.rounds.items()}
+        result: Metrics = {"settings": self.settings, "load": runs, "rounds": self.rounds}
+        if "nanoqwen" in runs:
+            result["vs_engine"] = {
+                label: {rate: figures["output_tok_s"] / runs["nanoqwen"][rate]["output_tok_s"]
+                        for rate, figures in by_rate.items()}
+                for label, by_rate in runs.items() if label != "nanoqwen"
+            }
+        return result
+
+
+def run_load(
+    bench: Bench, load: Load, servers: Servers, options: dict[str, Any], settings: Metrics,
+    rounds: int,
+) -> Metrics:
+    """Every round: the in-process engine at each rate (unless only an endpoint is
+    driven), then each server at each rate, one after the other."""
+    runs = LoadBench(bench, load, settings)
+    model_dir, dtype = bench.model_dir, settings["dtype"]
+    longest = longest_request(bench.sessions)
+    for index in range(rounds):
+        if servers.endpoint is None:
+            runs.engine_rounds(options, index)
+        if servers.serve:
+            server = nanoqwen_server(model_dir, options, settings["threads"])
+            runs.server_rounds("nanoqwen server", server, index)
+        if servers.endpoint is not None:
+            runs.server_rounds(servers.endpoint, served_endpoint(servers.endpoint), index)
+        if servers.vllm_python is not None:
+            server = vllm_server(servers.vllm_python, model_dir, dtype, settings["threads"],
+                                 max(longest, WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS),
+                                 settings["max_num_seqs"])
+            runs.server_rounds("vLLM server", server, index)
+    return runs.result()
+
+
+@contextmanager
+def served_endpoint(url: str) -> Iterator[Endpoint]:
+    """A server someone else runs: its model id, read from it."""
+    endpoint = Endpoint(url.rstrip("/"))
+    try:
+        endpoint.model = endpoint.served_model()
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        raise PeerUnavailable(f"{url} lists no model at /v1/models: {error}") from None
+    yield endpoint
+
+
 # --------------------------------------------------------------------------- command line
 # What the report and the JSON call the engine `--compare` runs.
 BASELINE_NAMES = {"hf": "transformers", **{name: peer.label for name, peer in PEERS.items()}}
@@ -744,6 +961,42 @@ def check_can_plot() -> None:
         raise click.UsageError(
             "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
         ) from None
+
+
+def make_load(
+    rates: tuple[float, ...], max_concurrency: int | None, objectives: tuple[str, ...], seed: int
+) -> Load:
+    try:
+        parsed = parse_goodput(objectives)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    return Load(tuple(rates) or (math.inf,), max_concurrency, parsed, seed)
+
+
+def check_load(
+    load: Load, workload: Workload, serve: bool, endpoint: str | None, compare: str | None,
+    decode_batch: int | None, floor: bool, plot_path: Path | None,
+) -> None:
+    """What a run at request rates, or through servers, can be combined with."""
+    if serve and endpoint is not None:
+        raise click.UsageError("give --serve (start serve.py) or --endpoint URL, not both")
+    served = serve or endpoint is not None
+    if load.is_offline_batch and not served:
+        return
+    if served and workload.scenario not in SERVED_SCENARIOS:
+        raise click.UsageError(f"a server is driven with one-turn requests: --scenario "
+                               f"{' or '.join(SERVED_SCENARIOS)}")
+    if workload.scenario == "priority":
+        raise click.UsageError("the priority scenario has arrivals of its own: "
+                               "leave out --request-rate and --max-concurrency")
+    others = {"--decode-batch": decode_batch is not None, "--floor": floor,
+              "--plot": plot_path is not None, "--temperature": workload.temperature > 0,
+              f"--compare {compare}": compare not in (None, "vllm") or (
+                  compare == "vllm" and not served)}
+    refused = [name for name, given in others.items() if given]
+    if refused:
+        raise click.UsageError(f"{', '.join(refused)} cannot be combined with --request-rate, "
+                               "--max-concurrency, --serve or --endpoint")
 
 
 def check_workload(workload: Workload) -> None:
@@ -803,10 +1056,26 @@ def run_companions(
         runs[name].append(bench.run(options, f"nanoqwen {label}, round {index + 1}")[0])
 
 
+def parameter_counts(config: ModelConfig) -> Metrics:
+    """The model's parameters, and how many of them one token uses: of a sparse layer's
+    routed experts only the k it is routed to (counted on the meta device, so whatever the
+    weights' form or split)."""
+    with torch.device("meta"):
+        model = QwenForCausalLM(config)
+    total = sum(param.numel() for param in model.parameters())
+    idle = 0.0
+    if config.moe is not None:
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        idle = experts * (1 - config.moe.num_experts_per_tok / config.moe.num_experts)
+    return {"parameters": total, "active_parameters": round(total - idle)}
+
+
 def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     config = engine.config
     weights = runtime_quantization(config.quantization, engine.checkpoint, engine.device)
     return {
+        "architecture": engine.model_config.architecture,
+        **parameter_counts(engine.model_config),
         "device": str(engine.device),
         "dtype": str(config.dtype).removeprefix("torch."),
         "quantization": (weights.mode if weights is not None else "none"),
@@ -816,7 +1085,10 @@ def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
         "page_size": config.page_size,
         "chunk_size": config.chunk_size,
         "prefix_cache": config.enable_prefix_cache,
+        "scheduling_policy": config.scheduling_policy,
         "priority_aging_steps": config.priority_aging_steps,
+        "preemption_mode": config.preemption_mode,
+        "swap_space": config.swap_space,
         "tensor_parallel_size": config.tensor_parallel_size,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens,
@@ -989,6 +1261,42 @@ def assemble_result(
     help="CPU threads for torch, in both engines (default: torch's choice).",
 )
 @click.option(
+    "--request-rate",
+    "request_rates",
+    type=click.FloatRange(min=0, min_open=True),
+    multiple=True,
+    metavar="PER_SECOND",
+    help="Requests arrive as a Poisson process of this rate (inf: all at once); repeat "
+         "for a run at each rate. Default: inf.",
+)
+@click.option(
+    "--max-concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="At most this many requests in flight (with --request-rate inf: a closed loop).",
+)
+@click.option(
+    "--goodput",
+    "goodput_objectives",
+    multiple=True,
+    metavar="KEY:MS",
+    help="A latency objective goodput counts (ttft, tpot or e2e, in ms), e.g. ttft:2000; "
+         "repeatable.",
+)
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Also start serve.py with these engine options and stream the same requests "
+         "through it (with --compare vllm: through vLLM's server too).",
+)
+@click.option(
+    "--endpoint",
+    default=None,
+    metavar="URL",
+    help="Stream the requests through this running OpenAI-compatible server instead "
+         "(e.g. http://127.0.0.1:8000).",
+)
+@click.option(
     "--json",
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -1024,6 +1332,11 @@ def main(
     floor: bool,
     background_load: int,
     threads: int | None,
+    request_rates: tuple[float, ...],
+    max_concurrency: int | None,
+    goodput_objectives: tuple[str, ...],
+    serve: bool,
+    endpoint: str | None,
     json_path: Path | None,
     plot_path: Path | None,
     **engine_option_values: Any,
@@ -1035,6 +1348,8 @@ def main(
     sizes = workload_sizes(given, engine_option_values["device"])
     workload = Workload(scenario, **sizes, turns=turns, seed=seed, temperature=temperature)
     check_workload(workload)
+    load = make_load(request_rates, max_concurrency, goodput_objectives, seed)
+    check_load(load, workload, serve, endpoint, compare, decode_batch, floor, plot_path)
     if plot_path is not None:
         check_can_plot()
     environment = describe_environment()  # the machine as it was when the run began
@@ -1067,6 +1382,11 @@ def main(
         with status_console.status("writing the copy prompts"):
             sessions = continue_prompts(engine, sessions)
     check_fits(engine, sessions, decode_batch)
+    if floor and engine.model_config.architecture not in DENSE_ARCHITECTURES:
+        raise click.UsageError(
+            f"--floor replays the dense layers of {' and '.join(DENSE_ARCHITECTURES)} only, "
+            f"not {engine.model_config.architecture}'s"
+        )
     companions = companion_options(engine, {**options, "scheduling_policy": policies[-1]})
     settings = {
         "model": model or f"random weights: {random_weights}",
@@ -1081,6 +1401,18 @@ def main(
     engine.shutdown()
     del engine
     free_memory()
+    if not load.is_offline_batch or serve or endpoint is not None:
+        servers = Servers(serve, endpoint, peer_python if compare == "vllm" else None)
+        settings.update(request_rates=list(load.rates), max_concurrency=max_concurrency,
+                        goodput=list(goodput_objectives))
+        with make_progress(status_console) as progress, busy_processes(background_load):
+            bench = Bench(model_dir, token_ids, sessions, temperature, floor, progress,
+                          status_console)
+            result = run_load(bench, load, servers, options, settings, rounds)
+        print_load_report(console, result)
+        if json_path is not None:
+            json_path.write_text(json.dumps({"environment": environment, **result}, indent=2))
+        return
     with status_console.status("measuring the memory bandwidth"):
         bandwidth = measure_bandwidth(torch.device(settings["device"]))
     runs: dict[str, list[EngineRun]] = {policy: [] for policy in policies}

@@ -9,6 +9,7 @@ within seconds: requests in flight are aborted and answered before the process e
 """
 
 import logging
+import os
 import resource
 import signal
 import threading
@@ -29,6 +30,8 @@ from nanoqwen.cli import (
 from nanoqwen.server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
+    GRAMMAR_COMPILE_BYTES,
+    GRAMMAR_COMPILE_SECONDS,
     WRITE_TIMEOUT_SECONDS,
     make_server,
 )
@@ -69,6 +72,16 @@ logger = logging.getLogger("nanoqwen.serve")
     "any. Repeatable. Default: only the server's own page.",
 )
 @click.option(
+    "--grammar-compile-timeout", type=click.FloatRange(min=0, min_open=True),
+    default=GRAMMAR_COMPILE_SECONDS, metavar="SECONDS",
+    help="A request's grammar (JSON schema, regex, forced tool call) that takes longer to "
+    "compile is refused (400).",
+)
+@click.option(
+    "--grammar-compile-memory", type=click.IntRange(min=1), default=GRAMMAR_COMPILE_BYTES >> 20,
+    metavar="MIB", help="A request's grammar that needs more memory to compile is refused (400).",
+)
+@click.option(
     "--served-model-name", default=None,
     help="Model id in the API. Default: the checkpoint's directory name, a GGUF file's "
     "name without .gguf, or the hub id.",
@@ -77,7 +90,8 @@ logger = logging.getLogger("nanoqwen.serve")
 def main(
     model: str, host: str, port: int, api_key: str | None, max_queue: int,
     request_timeout: float | None, write_timeout: float, max_connections: int,
-    allowed_origins: tuple[str, ...], served_model_name: str | None, **options: Any,
+    allowed_origins: tuple[str, ...], grammar_compile_timeout: float,
+    grammar_compile_memory: int, served_model_name: str | None, **options: Any,
 ) -> None:
     """Serve a Qwen2/Qwen3 checkpoint over an OpenAI-compatible HTTP API."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -89,6 +103,8 @@ def main(
             model, host, port, served_model_name=served_model_name, api_key=api_key,
             max_queue=max_queue, request_timeout=request_timeout, write_timeout=write_timeout,
             max_connections=max_connections, allowed_origins=allowed_origins,
+            grammar_compile_timeout=grammar_compile_timeout,
+            grammar_compile_memory=grammar_compile_memory << 20,
             **pop_engine_options(options),
         )
     except ValueError as error:  # a setting the engine refuses, or a port in use
@@ -115,6 +131,10 @@ def main(
     server.server_close()
     serving.join()
     logger.info("stopped")
+    logging.shutdown()
+    # Everything is answered and closed. The interpreter's own exit would still wait for
+    # a grammar compiling in native code (xgrammar's, which nothing can interrupt).
+    os._exit(0)
 
 
 def allow_file_descriptors(max_connections: int) -> None:

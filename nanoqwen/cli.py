@@ -35,6 +35,7 @@ from nanoqwen.config import (
     DTYPES,
     GENERATION_CONFIG_SOURCES,
     KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
@@ -100,12 +101,28 @@ ENGINE_OPTIONS = [
                  help="Split the model across this many GPUs (or CPU processes)."),
     click.option("--scheduling-policy", default=engine_default("scheduling_policy"),
                  type=click.Choice(SCHEDULING_POLICIES),
-                 help="Order of admission: fcfs (arrival) or priority (each request's "
-                      "priority, lower first, aged while it waits)."),
+                 help="Order of admission: fcfs (arrival), priority (each request's "
+                      "priority, lower first), deadline (the one due soonest), sjf (the "
+                      "shortest remaining prompt) or fair (users take turns); all but fcfs "
+                      "and deadline age waiting requests."),
     click.option("--priority-aging-steps", default=engine_default("priority_aging_steps"),
                  type=click.IntRange(min=0),
-                 help="Under --scheduling-policy priority, a waiting request gains one "
-                      "priority level per this many steps (0: never)."),
+                 help="Under the priority, sjf and fair policies, a waiting request gains one "
+                      "level per this many steps (0: never)."),
+    click.option("--default-deadline", default=engine_default("default_deadline"),
+                 type=click.FloatRange(min=0, min_open=True),
+                 help="Under --scheduling-policy deadline, seconds after arrival a request "
+                      "without a deadline counts as due."),
+    click.option("--max-seqs-per-user", default=None, type=click.IntRange(min=1),
+                 help="Most unfinished sequences one user may have (the server answers 429 "
+                      "past it). Default: no cap."),
+    click.option("--preemption-mode", default=engine_default("preemption_mode"),
+                 type=click.Choice(PREEMPTION_MODES),
+                 help="What a preempted request's KV pages become: recompute (dropped, "
+                      "computed again) or swap (copied to --swap-space bytes of host memory "
+                      "and back)."),
+    click.option("--swap-space", default=None, type=click.FloatRange(min=0),
+                 help="Bytes of host memory for swapped-out KV pages (--preemption-mode swap)."),
     click.option("--speculative", default=None,
                  type=click.Choice([name for name in SPECULATIVE_METHODS if name]),
                  help="Speculative decoding: ngram guesses tokens from the text so far, draft "
@@ -132,7 +149,8 @@ ENGINE_OPTION_NAMES = (
     "device", "dtype", "max_num_seqs", "max_model_len", "page_size", "kv_cache_memory",
     "num_pages", "chunk_size", "enable_prefix_cache", "enforce_eager", "attention_backend",
     "quantization", "kv_cache_dtype", "tensor_parallel_size", "scheduling_policy",
-    "priority_aging_steps", "generation_config", *SPECULATIVE_OPTION_NAMES,
+    "priority_aging_steps", "default_deadline", "max_seqs_per_user", "preemption_mode",
+    "swap_space", "generation_config", *SPECULATIVE_OPTION_NAMES,
 )
 
 
@@ -150,6 +168,8 @@ def pop_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     memory = engine.get("kv_cache_memory")
     if memory is not None and memory > 1:
         engine["kv_cache_memory"] = int(memory)  # a byte count, not a fraction
+    if "swap_space" in engine:
+        engine["swap_space"] = int(engine["swap_space"])  # 4e9 on a command line
     return engine
 
 

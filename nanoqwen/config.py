@@ -14,7 +14,10 @@ from typing import Any
 import torch
 
 ATTENTION_BACKEND_NAMES = (None, "reference", "torch", "flashinfer")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "sjf", "fair")
+# What a preempted request loses: "recompute" drops its pages (the prefix cache may keep
+# them); "swap" also copies them to host memory and back (scheduling/swapping.py).
+PREEMPTION_MODES = ("recompute", "swap")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 # Where sampling settings a request leaves out come from: "auto", the checkpoint's
 # generation_config.json (as vLLM's generation_config="auto"); "none", the neutral ones.
@@ -101,8 +104,17 @@ class EngineConfig:
     # (lower first), improved by one level per `priority_aging_steps` steps since it
     # arrived (0: no aging), so one level is worth that many steps of waiting. The default
     # is about one long request's lifetime in decode steps. See waiting_queue.py.
+    # "deadline" serves the request due soonest first (`default_deadline` seconds after
+    # arrival for one without a deadline), "sjf" the shortest remaining prompt (aged), and
+    # "fair" takes turns between users (aged). See policies.py.
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 1024
+    default_deadline: float = 60.0
+    # The most unfinished requests one user may have at once (None: no cap).
+    max_seqs_per_user: int | None = None
+    # "recompute" or "swap" (with `swap_space` bytes of host memory for swapped pages).
+    preemption_mode: str = "recompute"
+    swap_space: int | None = None
     # "int8" or "int4" keeps linear weights quantized in memory, "none" in `dtype`; None
     # follows the checkpoint (a GPTQ/AWQ/GGUF file's bits, else "none").
     quantization: str | None = None
@@ -147,6 +159,7 @@ class EngineConfig:
         aging = self.priority_aging_steps
         if isinstance(aging, bool) or not isinstance(aging, int) or aging < 0:
             raise ValueError(f"priority_aging_steps must be a non-negative integer, got {aging!r}")
+        self._check_scheduling_features()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -166,6 +179,40 @@ class EngineConfig:
             # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
             self.chunk_size = 8192 if self.device.type == "cuda" else 512
         self._check_speculative()
+
+    def _check_scheduling_features(self) -> None:
+        deadline = self.default_deadline
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0:
+            raise ValueError(f"default_deadline must be a positive number of seconds, got {deadline!r}")
+        if self.max_seqs_per_user is not None:
+            _require_positive_int("max_seqs_per_user", self.max_seqs_per_user)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap":
+            if self.swap_space is None:
+                raise ValueError("preemption_mode='swap' needs swap_space: bytes of host "
+                                 "memory for the pages of swapped-out requests")
+            if not self.enable_prefix_cache:
+                raise ValueError("preemption_mode='swap' brings pages back through the prefix "
+                                 "cache: leave enable_prefix_cache on")
+            if self.tensor_parallel_size > 1 or self.draft_model is not None:
+                raise ValueError("preemption_mode='swap' swaps one model's KV cache on one rank: "
+                                 "not with tensor_parallel_size > 1 or a draft model")
+        if self.swap_space is not None:
+            if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int) \
+                    or self.swap_space < 0:
+                raise ValueError(f"swap_space must be a number of bytes, got {self.swap_space!r}")
+            if self.preemption_mode != "swap":
+                raise ValueError("swap_space is only used with preemption_mode='swap'")
+
+    @property
+    def plain_scheduling(self) -> bool:
+        """Does the scheduler need nothing beyond the core's (fcfs or priority, recompute)?"""
+        return (self.scheduling_policy in ("fcfs", "priority") and self.max_seqs_per_user is None
+                and self.preemption_mode == "recompute")
 
     def _check_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -21,7 +21,9 @@ around the run; a split model's other ranks start beside this one (`parallel/`).
 them is imported unless used.
 
 Invariant: every request is waiting, running or finished, in exactly one place; a step
-that fails after scheduling raises `StepError` and leaves its requests as they were.
+that fails after scheduling raises `StepError` and leaves its requests as they were. A
+feature that cannot go on with one request (a grammar with no way forward) sets its
+`error`, and the step ends that request alone (finish_reason "error").
 `LLM` (`llm.py`) is the offline interface on top. The story:
 docs/learn/02-continuous-batching.md.
 """
@@ -29,6 +31,7 @@ docs/learn/02-continuous-batching.md.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,13 +45,13 @@ from nanoqwen.sampling.params import SamplingParams, check_defaults
 from nanoqwen.sampling.sampler import make_generator
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.scheduler import Row, Scheduler
-from nanoqwen.scheduling.waiting_queue import check_priority
+from nanoqwen.scheduling.waiting_queue import Policy
 from nanoqwen.stats import (
     Stats,
     kv_cache_group,
     memory_group,
     prefix_cache_group,
-    requests_group,
+    scheduling_groups,
     state_pool_group,
 )
 from nanoqwen.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -120,16 +123,19 @@ class LLMEngine:
             from nanoqwen.memory.state_pool import StateSlots
 
             self.states = StateSlots(self.runner.states.num_slots, config.page_size)
-        self.scheduler = Scheduler(
-            self.allocator, self.cache, config.max_num_seqs, config.chunk_size,
-            config.scheduling_policy, config.priority_aging_steps, self.states,
+        policy, scheduler = Policy(config.scheduling_policy, config.priority_aging_steps), Scheduler
+        if not config.plain_scheduling:  # another policy, per-user caps, or swapping
+            from nanoqwen.scheduling.policies import scheduling_features
+
+            policy, scheduler = scheduling_features(config, self.cache, self.runner, self.states)
+        self.scheduler = scheduler(
+            self.allocator, self.cache, config.max_num_seqs, config.chunk_size, policy, self.states
         )
         for hook in self.step_hooks:
             hook.attach(self, partners)
-        self._grammars = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
@@ -140,8 +146,11 @@ class LLMEngine:
         params: Any = None,
         request_id: str | None = None,
         priority: int = 0,
+        deadline: float | None = None,
+        user: str | None = None,
     ) -> str:
-        """Queue a prompt; returns its id. A lower `priority` is served sooner.
+        """Queue a prompt; returns its id. Scheduling (`scheduling/`): `priority`, lower sooner;
+        `deadline`, seconds from now it should be done by; `user`, who sent it.
 
         `params` are `SamplingParams` (settings left out take the model's recommended ones,
         `sampling_defaults`), or `PoolingParams` for the prompt's embedding instead of a
@@ -155,7 +164,7 @@ class LLMEngine:
 
             pooling, params = plug_in_pooling(params, self.runner.output_hooks), EMBEDDING_SAMPLING
         params = (params or SamplingParams()).with_defaults(self.sampling_defaults)
-        check_priority(priority, self.config.scheduling_policy)
+        self.scheduler.policy.check(priority, deadline, user)
         if not isinstance(prompt, EncodedPrompt):
             prompt = self.encode_prompt(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -165,7 +174,8 @@ class LLMEngine:
             request_id, prompt.token_ids, params,
             generator=make_generator(params.seed, self.device) if params.seed is not None else None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params.stop),
-            priority=priority, pooling=pooling,
+            priority=priority, user=user, pooling=pooling,
+            due=None if deadline is None else time.monotonic() + deadline,
         )
         if params.asks_for_more:
             from nanoqwen.sampling.extras import plug_in
@@ -175,18 +185,6 @@ class LLMEngine:
         self.scheduler.add(request)
         self.num_prompt_tokens += len(prompt.token_ids)
         return request_id
-
-    @property
-    def grammars(self) -> Any:
-        """The structured-output compiler (`sampling/grammar.py`), made on first use."""
-        if self._grammars is None:
-            from nanoqwen.sampling.grammar import GrammarCompiler
-
-            self._grammars = GrammarCompiler(
-                self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
-                self.tokenizer.eos_token_ids,
-            )
-        return self._grammars
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """A prompt's token ids, checked to fit this engine, or a ValueError saying why not.
@@ -256,6 +254,8 @@ class LLMEngine:
         """Append tokens one at a time; the first that ends the request drops the rest."""
         if request.pooling is not None:  # its prompt is computed: the embedding is ready
             return self._finish(request, "stop")
+        if request.error is not None:  # a feature cannot go on with it: its token is moot
+            return self._finish(request, "error")
         delta = ""
         for count, token_id in enumerate(token_ids, start=1):
             request.token_ids.append(token_id)
@@ -311,6 +311,7 @@ class LLMEngine:
                 None if request.prompt_logprobs is None else [None, *request.prompt_logprobs]
             ),
             embedding=None if request.embedding is None else request.embedding.tolist(),
+            error=request.error,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -319,7 +320,7 @@ class LLMEngine:
         per optional feature that is on (every key is described in `nanoqwen/stats.py`)."""
         stats = {
             "kv_cache": kv_cache_group(self.allocator, self.runner.kv_cache.nbytes * self.num_ranks),
-            "requests": requests_group(self.scheduler, self.num_finished),
+            **scheduling_groups(self.scheduler, self.num_finished),
             "tokens": {"prompt": self.num_prompt_tokens, "generated": self.num_generated_tokens},
             **prefix_cache_group(self.cache),
             **state_pool_group(self.states),

@@ -33,16 +33,20 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: Params | Sequence[Params] | None = None,
         priority: Sequence[int] | None = None,
+        deadline: Sequence[float | None] | None = None,
+        user: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one per prompt, lower served sooner (`scheduling_policy="priority"`).
+        """`priority`, `deadline`, `user`: one per prompt, as `LLMEngine.add_request` takes them.
 
         Every prompt is queued or none is: one refused (a `ValueError`) takes back the
         ones queued before it.
         """
         outputs: dict[str, RequestOutput | None] = {}  # in prompt order, None until finished
         try:
-            for prompt, sampling, rank in _one_per_prompt(prompts, params, priority):
-                outputs[self.engine.add_request(prompt, sampling, priority=rank)] = None
+            each = _one_per_prompt(prompts, params, priority, deadline, user)
+            for prompt, sampling, rank, due, who in each:
+                options = {"priority": rank, "deadline": due, "user": who}
+                outputs[self.engine.add_request(prompt, sampling, **options)] = None
             unfinished = len(outputs)
             while unfinished:
                 for output in self.engine.step():
@@ -140,11 +144,11 @@ class LLM:
 def _one_per_prompt(
     prompts: Prompt | Sequence[Prompt],
     params: Params | Sequence[Params] | None,
-    priority: Sequence[int] | None,
-) -> list[tuple[Prompt, Params | None, int]]:
-    """(prompt, params, priority) for each prompt. One prompt may come alone (a string, or a
-    list of token ids), and one `params` may serve every prompt; priorities are checked as
-    their requests are added."""
+    *per_prompt: Sequence[Any] | None,
+) -> list[tuple[Any, ...]]:
+    """(prompt, params, priority, deadline, user) for each prompt. One prompt may come
+    alone (a string, or a list of token ids), and one `params` may serve every prompt; the
+    others are lists (or None: the defaults), checked as their requests are added."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                     and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -153,7 +157,9 @@ def _one_per_prompt(
         params = [params] * count
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    priorities = [0] * count if priority is None else priority
-    if not isinstance(priorities, (list, tuple)) or len(priorities) != count:
-        raise ValueError(f"priority must be a list of {count} integers, got {priority!r}")
-    return list(zip(prompts, params, priorities))
+    lists = []
+    for name, values, default in zip(("priority", "deadline", "user"), per_prompt, (0, None, None)):
+        if values is not None and (not isinstance(values, (list, tuple)) or len(values) != count):
+            raise ValueError(f"{name} must be a list of {count}, one per prompt, got {values!r}")
+        lists.append([default] * count if values is None else values)
+    return list(zip(prompts, params, *lists))

@@ -6,17 +6,17 @@ and stores the numbers; rates and percentiles are computed from the differences 
 scrapes. `prometheus_client` writes the page; three kinds of metric are enough here:
 
 * a **counter** only goes up (requests answered, tokens generated);
-* a **gauge** is a value right now (requests running, KV pages in use);
+* a **gauge** is a value right now (requests running, KV pages in use, state slots free);
 * a **histogram** is a distribution kept as counts in fixed buckets (`le="x"` counts every
   observation `<= x`), so quantiles are estimated by whoever reads the page, and the server
   keeps O(buckets) memory however many requests it serves.
 
 Latencies are measured where the client sees them, in the server's handler threads, into
 `prometheus_client`'s thread-safe counters and histograms. Everything the engine already
-counts (pages, queue lengths, token totals, prefix-cache hits, the bytes of the process,
-the weights and the KV cache) is *not* copied here: `EngineStatsCollector` reads a fresh
-`engine.stats()` at scrape time, so the page can never drift from the engine's own
-accounting.
+counts (pages, state slots, queue lengths, token totals, prefix-cache hits, the bytes of the
+process, the weights, the KV cache and the state pool) is *not* copied here:
+`EngineStatsCollector` reads a fresh `engine.stats()` at scrape time, so the page can never
+drift from the engine's own accounting.
 
 Each `ServerMetrics` has its own registry (not the process-wide default), so several
 servers in one process keep separate counts.
@@ -104,7 +104,7 @@ def engine_families(stats: EngineStats) -> list[Metric]:
     kv, requests, tokens = stats["kv_cache"], stats["requests"], stats["tokens"]
     finished = CounterMetricFamily(
         "nanoqwen_requests_finished",
-        "Engine requests finished, by reason (stop, length, abort).", labels=["reason"],
+        "Engine requests finished, by reason (stop, length, abort, error).", labels=["reason"],
     )
     for reason, count in sorted(requests["finished"].items()):
         finished.add_metric([reason], count)
@@ -135,19 +135,43 @@ def engine_families(stats: EngineStats) -> list[Metric]:
                             "Running requests preempted (pages released, recomputed later).",
                             value=requests["preemptions"]),
         preemptions,
+        CounterMetricFamily("nanoqwen_deadlines_missed",
+                            "Requests with a deadline that ended after it.",
+                            value=requests["deadlines_missed"]),
+        CounterMetricFamily("nanoqwen_deadlines_met",
+                            "Requests with a deadline that finished by it.",
+                            value=requests["deadlines_met"]),
+        *group_families(stats, "swap", SWAP_FAMILIES, "Swap preemption: "),
         *group_families(stats, "prefix_cache", PREFIX_CACHE_FAMILIES, "Prefix cache: "),
+        *state_pool_families(stats),
         *group_families(stats, "speculative", SPECULATION_FAMILIES, "Speculative decoding: "),
         *group_families(stats, "cpu", CPU_FAMILIES, "CPU: "),
         *memory_families(stats),
     ]
 
 
-def by_state(name: str, help: str, group: Mapping[str, Any], key: str) -> GaugeMetricFamily:
-    """A gauge labelled by KV page state: used, cached, free (`key` names a state's figure)."""
+def by_state(
+    name: str, help: str, group: Mapping[str, Any], key: str,
+    states: tuple[str, ...] = ("used", "cached", "free"),
+) -> GaugeMetricFamily:
+    """A gauge labelled by state, KV page states unless told (`key` names a state's figure)."""
     family = GaugeMetricFamily(name, help, labels=["state"])
-    for state in ("used", "cached", "free"):
+    for state in states:
         family.add_metric([state], group[key.format(state)])
     return family
+
+
+def state_pool_families(stats: EngineStats) -> list[Metric]:
+    """The `state_pool` group (a model with recurrent layers): its slots by state, and all."""
+    if "state_pool" not in stats:
+        return []
+    slots = by_state(
+        "nanoqwen_state_slots",
+        "State pool: slots by state: running (held by running requests), snapshots (the "
+        "prefix cache's saved states; evictable), free.", stats["state_pool"], "slots_{}",
+        states=("running", "snapshots", "free"),
+    )
+    return [slots, *group_families(stats, "state_pool", STATE_POOL_FAMILIES, "State pool: ")]
 
 
 def memory_families(stats: EngineStats) -> list[Metric]:
@@ -184,6 +208,22 @@ PREFIX_CACHE_FAMILIES: tuple[FamilySpec, ...] = (
     (CounterMetricFamily, "nanoqwen_prefix_cache_hit_tokens",
      "prompt tokens whose KV was reused.", "hit_tokens"),
 )
+STATE_POOL_FAMILIES: tuple[FamilySpec, ...] = (
+    (GaugeMetricFamily, "nanoqwen_state_slots_total",
+     "slots requests and snapshots can hold (running + snapshots + free).", "slots_total"),
+)
+SWAP_FAMILIES: tuple[FamilySpec, ...] = (
+    (CounterMetricFamily, "nanoqwen_swaps_out", "preempted requests whose pages were copied "
+     "to host memory.", "swaps_out"),
+    (CounterMetricFamily, "nanoqwen_swaps_in", "admissions that copied pages back.", "swaps_in"),
+    (CounterMetricFamily, "nanoqwen_swapped_out_pages", "pages copied to host memory.",
+     "pages_out"),
+    (CounterMetricFamily, "nanoqwen_swapped_in_pages", "pages copied back.", "pages_in"),
+    (CounterMetricFamily, "nanoqwen_swap_recomputed", "preemptions that found the host pool "
+     "full and recompute instead.", "recomputed"),
+    (GaugeMetricFamily, "nanoqwen_swap_host_pages_used", "host pages held by swapped-out "
+     "requests.", "host_pages_used"),
+)
 SPECULATION_FAMILIES: tuple[FamilySpec, ...] = (
     (CounterMetricFamily, "nanoqwen_spec_draft_tokens", "draft tokens proposed and verified.",
      "proposed_tokens"),
@@ -214,6 +254,8 @@ MEMORY_FAMILIES: tuple[FamilySpec, ...] = (
      "weight_bytes"),
     (GaugeMetricFamily, "nanoqwen_kv_cache_total_bytes",
      "bytes of the KV-cache pages requests can hold, every rank's.", "kv_total_bytes"),
+    (GaugeMetricFamily, "nanoqwen_state_pool_bytes",
+     "bytes of the state pool (recurrent layers' slots), every rank's.", "state_pool_bytes"),
     (GaugeMetricFamily, "nanoqwen_cuda_memory_allocated_bytes",
      "GPU memory in tensors, as torch counts it (rank 0's GPU).", "cuda_allocated_bytes"),
     (GaugeMetricFamily, "nanoqwen_cuda_memory_reserved_bytes",

@@ -3,7 +3,8 @@
 A request's output carries both its whole text so far and what changed in this step
 (`delta_text`, `delta_token_ids`): a script reads the last one, a stream sends the deltas
 (and the last `len(delta_token_ids)` entries of `logprobs`, when it asked for them).
-`finished` is set once, on the last output, with the reason the request ended.
+`finished` is set once, on the last output, with the reason the request ended ("error":
+a feature could not go on with it, and it alone ended; `error` says why).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RequestOutput:
     delta_token_ids: list[int]  # generated this step
     delta_text: str  # released this step: what a stream sends
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache (0 until admitted)
     # What the request's params asked for besides text (`sampling/logprobs.py`): one entry
     # per generated token (in `token_ids`' order), and one per prompt token (None for the
@@ -42,6 +43,7 @@ class RequestOutput:
     embedding: list[float] | None = None  # an embedding request's vector (`sampling/pooling.py`)
     # What ended a request that finished "stop": the stop string, or the stop token's id.
     stop_reason: str | int | None = None
+    error: str | None = None  # why a request that finished "error" could not go on
 
 
 class StepError(RuntimeError):

@@ -20,9 +20,11 @@ marks a value of this moment.
 | | `bytes` | the KV tensors' memory, every rank's together (a quantized cache's scales too) |
 | `requests` | `running` | now in the running batch |
 | | `waiting` | now queued for admission (preempted ones included) |
-| | `finished` | by reason: `stop`, `length`, `abort` |
+| | `finished` | by reason: `stop`, `length`, `abort`, `error` |
 | | `preemptions` | running requests preempted (pages released, recomputed later) |
 | | `preemptions_by_cause` | `kv_pages`: out of pages; `max_num_seqs`: a more urgent one came |
+| | `deadlines_met` | requests with a `deadline` that finished by it |
+| | `deadlines_missed` | requests with a `deadline` that finished (or were aborted) after it |
 | `tokens` | `prompt` | prompt tokens received |
 | | `generated` | tokens generated |
 | `prefix_cache` | `query_tokens` | prompt tokens looked up in the cache |
@@ -33,6 +35,14 @@ marks a value of this moment.
 | | `slots_running` | now held by running requests |
 | | `slots_snapshots` | now holding prefix snapshots: reusable, evicted when slots run out |
 | | `slots_free` | now free |
+| `swap` | `swaps_out` | preempted requests whose pages were copied to host memory (`preemption_mode="swap"` only) |
+| | `swaps_in` | admissions that copied pages back (those the prefix cache had lost meanwhile) |
+| | `pages_out` | pages copied out |
+| | `pages_in` | pages copied back |
+| | `recomputed` | preemptions that found the host pool full: recomputed instead |
+| | `host_pages_total` | pages the host pool holds (`swap_space` over a page's bytes) |
+| | `host_pages_used` | now held by swapped-out requests |
+| | `host_bytes` | the host pool's memory |
 | `cpu` | `cores` | cores this process may run on (on a CPU only; rank 0's, with split ranks) |
 | | `threads` | threads the last step ran on (`runner/cpu_threads.py`) |
 | | `others_cores` | cores' worth of time others took, as last read: other processes and this one's other Python threads (a server's handlers) |
@@ -43,6 +53,7 @@ marks a value of this moment.
 | | `kv_used_bytes` | of them, the `pages_used` pages' |
 | | `kv_cached_bytes` | the `pages_cached` pages' |
 | | `kv_free_bytes` | the `pages_free` pages': used + cached + free = total |
+| | `state_pool_bytes` | the state pool's tensors, every rank's (a model with recurrent layers only) |
 | | `cuda_allocated_bytes` | now in tensors on the GPU (CUDA only: rank 0's GPU, as torch counts) |
 | | `cuda_reserved_bytes` | now held by torch's caching allocator there (allocated, and spare) |
 
@@ -87,14 +98,20 @@ def kv_cache_group(allocator: PageAllocator, kv_cache_bytes: int) -> dict[str, i
     }
 
 
-def requests_group(scheduler: Scheduler, finished: dict[str, int]) -> dict[str, Any]:
-    return {
+def scheduling_groups(scheduler: Scheduler, finished: dict[str, int]) -> Stats:
+    """The `requests` group, and the `swap` group when preemption swaps
+    (`scheduling/swapping.py`)."""
+    requests = {
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
         "finished": dict(finished),
         "preemptions": sum(scheduler.preemptions.values()),
         "preemptions_by_cause": dict(scheduler.preemptions),
+        "deadlines_met": scheduler.deadlines["met"],
+        "deadlines_missed": scheduler.deadlines["missed"],
     }
+    swapping = getattr(scheduler, "stats_group", None)  # only a swapping scheduler has one
+    return {"requests": requests, **({} if swapping is None else swapping())}
 
 
 def state_pool_group(states: Any) -> Stats:
@@ -129,7 +146,7 @@ def prefix_cache_group(cache: RadixCache | None) -> Stats:
 
 def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) -> Stats:
     """The `memory` group: the bytes of the process, the weights (every rank's), the KV
-    cache by page state and, on CUDA, torch's GPU memory."""
+    cache by page state, the state pool and, on CUDA, torch's GPU memory."""
     kv_bytes = runner.kv_cache.nbytes * num_ranks
     kv = kv_cache_group(allocator, kv_bytes)
     page_bytes = kv_bytes // allocator.num_pages  # the pool: scratch page too
@@ -138,6 +155,8 @@ def memory_group(runner: ModelRunner, allocator: PageAllocator, num_ranks: int) 
         "weight_bytes": weight_bytes(runner.model) * num_ranks,
         **{f"kv_{state}_bytes": kv[f"pages_{state}"] * page_bytes for state in PAGE_STATES},
     }
+    if runner.states is not None:
+        group["state_pool_bytes"] = runner.states.nbytes * num_ranks
     if runner.device.type == "cuda":
         group["cuda_allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
         group["cuda_reserved_bytes"] = torch.cuda.memory_reserved(runner.device)

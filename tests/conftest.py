@@ -33,7 +33,8 @@ import signal
 if os.environ.get("NANOQWEN_TEST_KERNELS") != "native":
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import openai  # noqa: E402
 import pytest  # noqa: E402
@@ -124,17 +125,26 @@ NEWER_KINDS = {
 @pytest.fixture(scope="session")
 def newer_kind_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A tiny checkpoint of each newer kind, built on first use."""
-    return _LazyCheckpoints(tmp_path_factory)
+    return _LazyCheckpoints(tmp_path_factory, lambda kind, directory: NEWER_KINDS[kind](directory))
 
 
 class _LazyCheckpoints(dict):
-    def __init__(self, factory: pytest.TempPathFactory) -> None:
+    def __init__(self, factory: pytest.TempPathFactory, build: Callable[[str, Path], str]) -> None:
         super().__init__()
-        self.factory = factory
+        self.factory, self.build = factory, build
 
     def __missing__(self, kind: str) -> str:
-        self[kind] = NEWER_KINDS[kind](self.factory.mktemp(kind))
+        self[kind] = self.build(kind, self.factory.mktemp(kind))
         return self[kind]
+
+
+@pytest.fixture(scope="session")
+def picture_kind_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The tiny checkpoints the learning path's notes on the newer kinds run and draw from
+    (`tools/learn_pictures.py`'s `build_kind`), built on first use."""
+    from tools.learn_pictures import build_kind
+
+    return _LazyCheckpoints(tmp_path_factory, build_kind)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ the ground truth for token ids and logits. `assert_greedy_matches` holds an engi
 greedy tokens to it in the engine's own dtype: identical in float32, identical up to
 near-ties in bfloat16 (`bf16_oracle.py` says what a near-tie is). `check_page_accounting`
 recomputes, from the requests' page tables and the prefix tree, who holds every page of
-the KV pool, and checks that the pool's free list and reference counts agree.
+the KV pool, and checks that the pool's free list and reference counts agree (and, when
+preemption swaps, that the host pool's pages are free or a waiting request's).
 """
 
 import os
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from nanoqwen import LLMEngine, RequestOutput, SamplingParams
 from nanoqwen.memory.page_allocator import SCRATCH_PAGE
 from nanoqwen.memory.state_pool import FIRST_SLOT
+from nanoqwen.scheduling.request import Status
 
 
 @lru_cache(maxsize=8)
@@ -132,6 +134,20 @@ def check_page_accounting(engine: LLMEngine) -> None:
         assert cache.num_pages == len(tree_pages)
     if engine.states is not None:
         check_state_accounting(engine)
+    if hasattr(engine.scheduler, "swapped"):
+        check_host_accounting(engine)
+
+
+def check_host_accounting(engine: LLMEngine) -> None:
+    """Every page of the swap pool is free or held by exactly one swapped-out request, and
+    only waiting requests hold any."""
+    scheduler = engine.scheduler
+    held = [page for pages in scheduler.swapped.values() for page in pages]
+    assert sorted(scheduler.host.free + held) == list(range(scheduler.host.num_pages))
+    assert all(request.status is Status.WAITING and engine.requests.get(request.request_id)
+               is request for request in scheduler.swapped)
+    swap = engine.stats()["swap"]
+    assert swap["host_pages_used"] == len(held) <= swap["host_pages_total"]
 
 
 def check_state_accounting(engine: LLMEngine) -> None:

@@ -114,10 +114,13 @@ def call(
     return response.status, response.headers, json.loads(raw) if is_json and raw else raw.decode()
 
 
-def open_stream(server: OpenAIServer, path: str, body: dict) -> http.client.HTTPResponse:
+def open_stream(
+    server: OpenAIServer, path: str, body: dict, headers: dict[str, str] | None = None
+) -> http.client.HTTPResponse:
     """Start a streaming request; the server sends the headers once the engine has it."""
     connection = connect(server)
-    connection.request("POST", path, body=json.dumps({**body, "stream": True}), headers=JSON)
+    connection.request("POST", path, body=json.dumps({**body, "stream": True}),
+                       headers={**JSON, **(headers or {})})
     response = connection.getresponse()
     assert response.status == 200
     return response

@@ -46,6 +46,7 @@ FEATURE_MODULES = (
     "nanoqwen.sampling.logprobs", "nanoqwen.sampling.penalties", "nanoqwen.sampling.pooling",
     "nanoqwen.server", "nanoqwen.memory.kv_quant", "nanoqwen.model.packed",
     "nanoqwen.runner.memory_profile", "nanoqwen.runner.cuda_graph",
+    "nanoqwen.scheduling.policies", "nanoqwen.scheduling.swapping", "nanoqwen.memory.swap",
 )
 # One plain request (`LLM.generate`, CPU, float32, reference attention) may run at most
 # this much of the package: the teaching core's budget (docs/learn/00-core.md).

@@ -8,11 +8,15 @@ imported and tested directly. No test looks at how fast anything was.
 import datetime
 import importlib.util
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,6 +29,8 @@ from rich.console import Console
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.text.tokenizer import Tokenizer
+from tools.bench_load import arrival_times, goodput, parse_goodput, percentile
+from tools.bench_serving import Endpoint, drive, summarize_served
 from tools.checkpoints import random_checkpoint, synthetic_tokenizer
 from tools.gguf_files import F, all_of, write_gguf
 
@@ -520,10 +526,10 @@ def test_progress_shows_a_rate_below_one_token_a_second(
 
 
 def test_percentile_interpolates_between_ranks() -> None:
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
-    assert bench.percentile([7.0], 95) == 7.0
-    assert bench.percentile([], 50) == 0.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 95) == pytest.approx(4.8)
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([], 50) == 0.0
 
 
 def test_median_round_is_a_whole_round() -> None:
@@ -695,3 +701,225 @@ def processes_marked(mark: str) -> list[int]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             pass  # another user's, or gone
     return marked
+
+
+# --------------------------------------------------------------------------- load and servers
+def test_arrivals_are_a_seeded_poisson_process() -> None:
+    times = arrival_times(20_000, 4.0, seed=1)
+    assert times == arrival_times(20_000, 4.0, seed=1) != arrival_times(20_000, 4.0, seed=2)
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    assert all(gap > 0 for gap in gaps)
+    # Exponential gaps of mean 1/rate: over 20,000 draws the mean is within 3% of 0.25 s
+    # (its standard error is 0.7%), and about 1 - 1/e of the gaps are below the mean.
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert sum(gap < 0.25 for gap in gaps) / len(gaps) == pytest.approx(1 - math.exp(-1), abs=0.02)
+    assert arrival_times(3, math.inf, seed=1) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="positive"):
+        arrival_times(3, 0.0, seed=1)
+
+
+def test_goodput_counts_the_requests_that_met_every_objective() -> None:
+    assert parse_goodput(["ttft:2000", "tpot:250"]) == {"ttft": 2.0, "tpot": 0.25}
+    for wrong in ("latency:5", "ttft", "ttft:soon", "tpot:-1"):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput([wrong])
+    latencies = [{"ttft": 1.0, "tpot": 0.1}, {"ttft": 3.0, "tpot": 0.1}, {"ttft": 1.0}]
+    # The second misses the TTFT objective; the third made one token: no TPOT to miss.
+    figures = goodput(latencies, {"ttft": 2.0, "tpot": 0.2}, wall_s=4.0, total=4)
+    assert figures == {"goodput_req_s": 0.5, "goodput_share": 0.5}
+
+
+class FlakyServer(BaseHTTPRequestHandler):
+    """Answers a completion by its prompt's first id: 1 a 500, 2 an error event, 3 a
+    stream that stops before [DONE], anything else a good stream of `max_tokens` chunks."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        kind = body["prompt"][0]
+        if kind == 1:
+            self.send_error(500)
+            return
+        self.send_response(200)
+        self.end_headers()
+        if kind == 2:
+            self.wfile.write(b'data: {"error": {"message": "boom"}}\n\n')
+            return
+        for _ in range(body["max_tokens"]):
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        if kind != 3:
+            usage = json.dumps({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            self.wfile.write(f"data: {usage}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_served_run_counts_its_errors() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = Endpoint(f"http://127.0.0.1:{server.server_address[1]}", "m")
+        requests = [([1], 3), ([2], 3), ([3], 3), ([4, 5], 3), ([6], 4)]
+        records, wall = drive(endpoint, requests, [0.0, 0.0, 0.01, 0.02, 0.03], 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    figures = summarize_served(records, wall, {})
+    assert figures["requests"] == 5 and figures["errors"] == 3
+    assert figures["output_tokens"] == 7 and figures["input_tokens"] == 3
+    assert figures["output_tok_s"] == pytest.approx(7 / wall)
+    assert [r.text for r in records[3:]] == ["aaa", "aaaa"]
+    assert any("500" in message for message in figures["error_messages"])
+    assert any("boom" in message for message in figures["error_messages"])
+    assert any("[DONE]" in message for message in figures["error_messages"])
+    # Nothing listening: every request fails, and is counted, without raising.
+    dead = Endpoint(f"http://127.0.0.1:{server.server_address[1]}", "m")
+    records, wall = drive(dead, [([1], 2)] * 2, [0.0, 0.0], None)
+    assert summarize_served(records, wall, {})["errors"] == 2
+
+
+def check_load_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> None:
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    assert figures["requests"] == spec.num_seqs
+    inputs, outputs = expected_tokens(spec, model_dir, vocab_size)
+    assert (figures["input_tokens"], figures["output_tokens"]) == (inputs, outputs)
+    assert figures["output_tok_s"] == pytest.approx(outputs / figures["wall_s"])
+    for latency in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert 0 < figures[latency]["p50"] <= figures[latency]["p95"]
+    assert figures.get("errors", 0) == 0
+    assert 0 < figures["goodput_req_s"] and figures["goodput_share"] == 1.0
+
+
+def test_the_engine_at_request_rates(tmp_path: Path, qwen3_dir: str) -> None:
+    """Offline, requests arrive into the engine at each rate; every rate has its figures,
+    and at most --max-concurrency requests are ever in the engine."""
+    spec = workload(num_seqs=5)
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--request-rate", "200",
+                       "--request-rate", "inf", "--max-concurrency", "2",
+                       "--goodput", "ttft:600000")
+    assert list(result["load"]) == ["nanoqwen"]
+    by_rate = result["load"]["nanoqwen"]
+    assert list(by_rate) == ["200", "inf"]
+    for figures in by_rate.values():
+        check_load_figures(figures, spec, qwen3_dir)
+        assert max(figures["per_step"]["requests"]) <= 2
+    assert result["settings"]["request_rates"] == [200.0, math.inf]
+
+
+@pytest.mark.slow
+def test_nanoqwens_server_runs_on_the_benchmarks_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.py gets --threads as the in-process engine does, so the two compare alike."""
+    from contextlib import contextmanager
+
+    import tools.bench_servers as bench_servers
+
+    seen: dict[str, str] = {}
+
+    @contextmanager
+    def fake_server(command: list[str], environment: dict[str, str], port: int, label: str):
+        seen.update(environment)
+        yield None
+
+    monkeypatch.setattr(bench_servers, "running_server", fake_server)
+    with bench_servers.nanoqwen_server("model-dir", {"max_num_seqs": 4}, threads=3):
+        pass
+    assert seen["OMP_NUM_THREADS"] == "3" and seen["PATH"] == os.environ["PATH"]
+
+
+def test_servers_serve_the_same_requests_side_by_side(
+    tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--serve starts serve.py, --compare vllm a stand-in for vLLM's server: both stream the
+    engine's requests, at each rate, and nanoqwen's server answers with the engine's text."""
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    spec = workload(num_seqs=4)
+    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--serve",
+                       "--compare", "vllm", "--max-concurrency", "2",
+                       "--request-rate", "inf", "--request-rate", "100")
+    assert list(result["load"]) == ["nanoqwen", "nanoqwen server", "vLLM server"]
+    for label, by_rate in result["load"].items():
+        assert list(by_rate) == ["inf", "100"]
+        for figures in by_rate.values():
+            check_load_figures(figures, spec, qwen3_dir)
+    for figures in result["load"]["nanoqwen server"].values():
+        assert figures["agreement"] == 1.0  # greedy: the very same text
+    assert all(ratio > 0 for ratio in result["vs_engine"]["vLLM server"].values())
+
+
+def test_load_options_refuse_what_they_cannot_combine_with(qwen3_dir: str) -> None:
+    for options in (["--serve", "--endpoint", "http://127.0.0.1:1"],
+                    ["--serve", "--scenario", "multi-turn"],
+                    ["--request-rate", "2", "--scenario", "priority"],
+                    ["--request-rate", "2", "--compare", "hf"],
+                    ["--goodput", "latency:5"]):
+        out = subprocess.run(
+            [sys.executable, str(BENCH), "--model", qwen3_dir, "--device", "cpu", *options],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert out.returncode == 2 and "Traceback" not in out.stderr, options
+
+
+# --------------------------------------------------------------------------- the newer kinds
+def test_a_mixture_of_experts_counts_the_parameters_a_token_uses(newer_kind_dirs: dict[str, str]) -> None:
+    """All of transformers' parameters, and of a sparse layer's experts only k of E per token;
+    a hybrid model, dense, uses them all."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoqwen.weights.checkpoint import read_checkpoint
+
+    for kind, per_token in (("qwen3_moe", 2 / 8), ("qwen3_5", 1.0)):
+        model_dir = newer_kind_dirs[kind]
+        hf = AutoModelForCausalLM.from_pretrained(model_dir)
+        experts = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+        total = sum(p.numel() for p in hf.parameters())
+        counts = bench.parameter_counts(read_checkpoint(model_dir).model_config)
+        assert counts == {"parameters": total,
+                          "active_parameters": round(total - experts * (1 - per_token))}
+
+
+def test_a_token_reads_only_its_routed_experts(newer_kind_dirs: dict[str, str]) -> None:
+    from tools.bench_floor import bytes_read_per_token
+
+    model = LLM(newer_kind_dirs["qwen3_moe"], device="cpu", dtype="float32").engine.runner.model
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name) * 4
+    embedding = model.model.embed_tokens.weight
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    read = weights - experts * 6 / 8 - embedding.numel() * 4 + embedding.shape[1] * 4
+    assert bytes_read_per_token(model) == read
+
+
+def test_a_config_of_each_kind_builds_random_weights(tmp_path: Path) -> None:
+    shapes = {
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"],
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=8),
+    }
+    for model_type, extra in shapes.items():
+        config = tmp_path / f"{model_type}.json"
+        config.write_text(json.dumps({**TINY_SHAPE, "model_type": model_type, **extra}))
+        directory = random_checkpoint(str(config), cache_dir=tmp_path / "cache")
+        output = LLM(directory, device="cpu").generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output[0].token_ids) == 3
+    config.write_text(json.dumps({**TINY_SHAPE, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama', not one of qwen2, qwen3, qwen2_moe"):
+        random_checkpoint(str(config), cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_the_floor_of_a_sparse_model_is_refused(tmp_path: Path, newer_kind_dirs: dict[str, str]) -> None:
+    spec = workload(num_seqs=1)
+    args = ["--model", newer_kind_dirs["qwen3_moe"], *cli_args(spec), "--floor", "--device", "cpu"]
+    completed = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
+    assert completed.returncode == 2
+    assert "--floor replays the dense layers of Qwen2ForCausalLM and Qwen3ForCausalLM only" in completed.stderr
+
+
+def test_the_report_names_the_parameters_a_token_uses() -> None:
+    from tools.bench_report import parameters
+
+    moe = {"architecture": "Qwen3MoeForCausalLM", "parameters": 30_532_122_624,
+           "active_parameters": 3_353_032_704}
+    assert parameters(moe) == "Qwen3MoeForCausalLM, 30.5B parameters, 3.4B per token"
+    dense = {"architecture": "Qwen3ForCausalLM", "parameters": 21_730_944, "active_parameters": 21_730_944}
+    assert parameters(dense) == "Qwen3ForCausalLM, 21.7M parameters"

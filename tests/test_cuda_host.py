@@ -52,6 +52,7 @@ from nanoqwen.attention.flashinfer_backend import (
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
 from nanoqwen.config import RunnerSettings
+from nanoqwen.memory.kv_quant import QuantizedKVCache
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import TensorParallel
 from nanoqwen.parallel.step_broadcast import step_from_wire, step_to_wire
@@ -343,7 +344,7 @@ def test_run_is_given_kv_scales_only_for_fp8_pages_at_a_scale_other_than_1(
     launch per layer and step): so a scale of 1 is left out, for decodes and prefills."""
     log = fake_flashinfer.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(attention_flashinfer, "TENSOR_SCALE", scale)
+    monkeypatch.setattr(QuantizedKVCache, "tensor_scale", scale)
     for num_tokens in (DECODE, PREFILL):
         warm_up_kernels(FlashInferBackend, num_tokens, shape, 1, torch.bfloat16, kv_dtype,
                         torch.device("cpu"))

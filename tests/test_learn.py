@@ -169,12 +169,17 @@ def one_thread():
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
 def test_runnable_blocks_run(
     name: str, code: str, cpu_has_bf16: bool, qwen3_dir: str, one_thread: None,
-    a_machine_without_a_gpu: None, monkeypatch: pytest.MonkeyPatch,
+    a_machine_without_a_gpu: None, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
 ) -> None:
     """Each block as a reader's CPU runs it: with bf16 units, an engine left to its default
-    computes in bfloat16."""
+    computes in bfloat16. Blocks get `MODEL`; the notes on the newer kinds also `MOE_MODEL`
+    or `HYBRID_MODEL`."""
     monkeypatch.setattr(nanoqwen.config, "cpu_has_native_bf16", lambda: cpu_has_bf16)
-    exec(compile(code, name, "exec"), {"MODEL": qwen3_dir, "__name__": name})
+    names = {"MODEL": qwen3_dir, "__name__": name}
+    for variable, kind in (("MOE_MODEL", "qwen3_moe"), ("HYBRID_MODEL", "qwen3_5")):
+        if variable in code:
+            names[variable] = request.getfixturevalue("picture_kind_dirs")[kind]
+    exec(compile(code, name, "exec"), names)
 
 
 def test_every_note_runs_something() -> None:
@@ -307,6 +312,24 @@ def test_pool_picture_accounts_for_every_page(recorded: dict[str, object]) -> No
     assert history[-1].preemptions > 0 and history[-1].used == 0
 
 
+def test_policies_picture_shows_one_seat_and_the_same_outputs(recorded: dict[str, object]) -> None:
+    runs = {run.policy: run for run in recorded["policies.png"]}
+    assert list(runs) == list(learn_pictures.POLICY_ORDER)
+    for run in runs.values():
+        assert run.outputs == runs["fcfs"].outputs  # no policy changes a token
+        steps = [step for ran in run.ran for step in ran]
+        assert len(steps) == len(set(steps))  # one seat: one request a step
+        for request, ran, finished in zip(learn_pictures.POLICY_WORKLOAD, run.ran, run.finished):
+            assert request[5] <= ran[0] and ran[-1] == finished
+
+    def order(policy: str) -> list[int]:
+        return sorted(range(len(learn_pictures.POLICY_WORKLOAD)),
+                      key=lambda i: runs[policy].finished[i])
+    assert order("fcfs") == list(range(7))
+    assert order("sjf")[:3] == [4, 5, 6] and order("deadline")[:2] == [5, 6]
+    assert order("fair")[:3] == [0, 4, 6]  # each user's first, then the seconds
+
+
 def test_picture_script_draws_every_picture(recorded: dict[str, object], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     for name, (_, draw) in learn_pictures.PICTURES.items():
@@ -318,5 +341,5 @@ def test_picture_script_draws_every_picture(recorded: dict[str, object], tmp_pat
 
 def test_the_notes_show_the_committed_pictures() -> None:
     shown = {name for note in NOTES for name in re.findall(r"\(img/([\w.]+)\)", note.read_text())}
-    assert shown == set(learn_pictures.PICTURES)
+    assert shown == {*learn_pictures.PICTURES, *learn_pictures.KIND_PICTURES}
     assert all((LEARN / "img" / name).exists() for name in shown)

@@ -4,6 +4,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanoqwen import LLMEngine, SamplingParams
 from nanoqwen.metrics import ServerMetrics
 
 ENGINE_STATS: dict[str, Any] = {
@@ -11,6 +12,11 @@ ENGINE_STATS: dict[str, Any] = {
     "requests": {
         "running": 2, "waiting": 4, "finished": {"stop": 3, "length": 1, "abort": 2},
         "preemptions": 3, "preemptions_by_cause": {"kv_pages": 1, "max_num_seqs": 2},
+        "deadlines_met": 6, "deadlines_missed": 1,
+    },
+    "swap": {
+        "swaps_out": 3, "swaps_in": 2, "pages_out": 12, "pages_in": 5, "recomputed": 1,
+        "host_pages_total": 64, "host_pages_used": 4, "host_bytes": 1 << 16,
     },
     "tokens": {"prompt": 120, "generated": 64},
     "prefix_cache": {"query_tokens": 100, "hit_tokens": 48},
@@ -24,6 +30,12 @@ ENGINE_STATS: dict[str, Any] = {
         "kv_used_bytes": 5 << 10, "kv_cached_bytes": 7 << 10, "kv_free_bytes": 20 << 10,
         "cuda_allocated_bytes": 400 << 20, "cuda_reserved_bytes": 512 << 20,
     },
+}
+# A hybrid model's engine adds its state pool (`memory/state_pool.py`).
+HYBRID_STATS: dict[str, Any] = {
+    **ENGINE_STATS,
+    "state_pool": {"slots_total": 12, "slots_running": 3, "slots_snapshots": 5, "slots_free": 4},
+    "memory": {**ENGINE_STATS["memory"], "state_pool_bytes": 6 << 20},
 }
 
 
@@ -54,6 +66,14 @@ def test_engine_stats_become_families() -> None:
     by_cause = "nanoqwen_preemptions_by_cause_total"
     assert page[(by_cause, (("cause", "kv_pages"),))] == 1
     assert page[(by_cause, (("cause", "max_num_seqs"),))] == 2
+    assert page[("nanoqwen_deadlines_missed_total", ())] == 1
+    assert page[("nanoqwen_deadlines_met_total", ())] == 6
+    assert page[("nanoqwen_swaps_out_total", ())] == 3
+    assert page[("nanoqwen_swaps_in_total", ())] == 2
+    assert page[("nanoqwen_swapped_out_pages_total", ())] == 12
+    assert page[("nanoqwen_swapped_in_pages_total", ())] == 5
+    assert page[("nanoqwen_swap_recomputed_total", ())] == 1
+    assert page[("nanoqwen_swap_host_pages_used", ())] == 4
     assert page[("nanoqwen_spec_draft_tokens_total", ())] == 40
     assert page[("nanoqwen_spec_accepted_tokens_total", ())] == 30
     assert page[("nanoqwen_spec_verifications_total", ())] == 10
@@ -90,8 +110,34 @@ def test_features_that_are_off_have_no_families() -> None:
     stats = {group: ENGINE_STATS[group] for group in ("kv_cache", "requests", "tokens")}
     names = {name for name, _ in samples(ServerMetrics(lambda: stats))}
     assert "nanoqwen_requests_running" in names
-    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu"))
+    assert not any(name.startswith(("nanoqwen_prefix_cache", "nanoqwen_spec", "nanoqwen_cpu",
+                                    "nanoqwen_swap"))
                    for name in names)
+
+
+def test_a_hybrid_models_state_slots_are_gauges() -> None:
+    page = samples(ServerMetrics(lambda: HYBRID_STATS))
+    pool = HYBRID_STATS["state_pool"]
+    for state in ("running", "snapshots", "free"):
+        assert page[("nanoqwen_state_slots", (("state", state),))] == pool[f"slots_{state}"]
+    assert page[("nanoqwen_state_slots_total", ())] == 12
+    assert page[("nanoqwen_state_pool_bytes", ())] == 6 << 20
+    dense = {name for name, _ in samples(ServerMetrics(lambda: ENGINE_STATS))}
+    assert not any(name.startswith("nanoqwen_state_") for name in dense)
+
+
+def test_a_hybrid_engines_page_counts_its_slots(newer_kind_dirs: dict[str, str]) -> None:
+    """The page of a running hybrid engine: every slot is running, a snapshot or free."""
+    engine = LLMEngine(newer_kind_dirs["qwen3_5"], device="cpu", dtype="float32", page_size=4,
+                       num_pages=64)
+    engine.add_request(list(range(10, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    page = samples(ServerMetrics(engine.stats))
+    slots = {state: page[("nanoqwen_state_slots", (("state", state),))]
+             for state in ("running", "snapshots", "free")}
+    assert slots["running"] == 1 and slots["snapshots"] >= 1
+    assert sum(slots.values()) == page[("nanoqwen_state_slots_total", ())]
+    assert page[("nanoqwen_state_pool_bytes", ())] == engine.runner.states.nbytes
 
 
 def test_engine_stats_are_read_at_every_scrape() -> None:

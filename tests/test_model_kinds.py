@@ -6,16 +6,22 @@ Each kind is a layer kind the decoder composes (`model/moe.py`, `model/gated_att
 (`memory/state_pool.py`). What the dense models' tests check of the engine is checked here
 on these: greedy tokens equal transformers' for a batch of mixed lengths, and stay equal
 under small prefill chunks, a follow-up turn served from the prefix cache, preemption and
-two ranks; the page and slot accounting holds after every step.
+two ranks; the page and slot accounting holds after every step. Weight and KV-cache
+quantization apply to them as to dense models, the routing excepted.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from oracle import greedy, hf_greedy, random_prompts, run_to_completion
+from quantized_helpers import largest_greedy_gap
+from torch import nn
 
 from nanoqwen import LLM, LLMEngine
 from nanoqwen.model.config import HYBRID_ARCHITECTURES, ModelConfig
+from nanoqwen.model.moe import ReplicatedLinear, SparseMoeBlock
+from nanoqwen.weights.quantization import Int8Linear
 
 VOCAB = 800
 MOE = ["qwen2_moe", "qwen3_moe"]
@@ -109,6 +115,30 @@ def test_two_ranks_equal_one(kind: str, newer_kind_dirs: dict[str, str]) -> None
     with LLM(model_dir, num_pages=96, tensor_parallel_size=2, **OPTIONS) as split:
         two = [output.token_ids for output in split.generate(prompts, greedy(8))]
     assert two == one
+
+
+def test_quantization_rounds_everything_but_the_routing(newer_kind_dirs: dict[str, str]) -> None:
+    """On Qwen3.5-MoE (experts, a shared expert, both kinds of attention): int8 weights: every linear layer but the router and the experts, which keep the
+    model's dtype (top-k is discontinuous: a rounded router logit sends a token elsewhere).
+    An int8 KV cache: the full-attention layers' pages only, the state pool in the model's
+    dtype, and greedy tokens transformers' up to near-ties (test_kv_quant.py's margin)."""
+    model_dir = newer_kind_dirs["qwen3_5_moe"]
+    model = LLMEngine(model_dir, num_pages=32, quantization="int8", **OPTIONS).runner.model
+    layers = model.model.layers
+    assert not [name for name, module in layers.named_modules() if type(module) is nn.Linear]
+    assert any(isinstance(module, Int8Linear) for module in layers.modules())
+    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(type(block.gate) is ReplicatedLinear for block in blocks)
+    assert all(block.experts.gate_up_proj.weight.dtype == torch.float32 for block in blocks)
+
+    engine = LLMEngine(model_dir, num_pages=64, kv_cache_dtype="int8", **OPTIONS)
+    full_attention = sum(not hasattr(layer, "linear_attn") for layer in engine.runner.model.model.layers)
+    assert engine.runner.kv_cache.kv.dtype == torch.int8
+    assert engine.runner.kv_cache.kv.shape[0] == full_attention < len(layers)  # their pages only
+    assert engine.runner.states.recurrent.dtype == torch.float32
+    (prompt,) = random_prompts(VOCAB, [19], seed=41)
+    (output,) = engine_outputs(engine, [prompt], 8)
+    assert largest_greedy_gap(model_dir, prompt, output) <= 0.02
 
 
 @pytest.mark.parametrize("kind", MOE)

@@ -435,3 +435,35 @@ def test_grouped_gemm_on_cuda_matches_the_grouped_loop_and_replays_in_a_cuda_gra
     static.copy_(batches[1])
     graph.replay()
     torch.testing.assert_close(captured, block(batches[1]))
+
+
+def test_decode_graphs_are_left_out_where_the_experts_would_sync(
+    newer_kind_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CUDA graph cannot hold the grouped loop, which reads its row counts on the host:
+    where torch's grouped GEMM cannot run the experts (before sm90, or not in bf16), decode
+    steps run eagerly, with a warning that says why. No GPU needed: only the decision."""
+    from nanoqwen.config import RunnerSettings
+    from nanoqwen.model import moe
+    from nanoqwen.model.qwen import QwenForCausalLM
+    from nanoqwen.runner import startup
+    from nanoqwen.weights.checkpoint import read_checkpoint
+
+    class GraphBackend:
+        supports_cuda_graphs = True
+
+    config = read_checkpoint(newer_kind_dirs["qwen3_moe"]).model_config
+    with torch.device("meta"):
+        model = QwenForCausalLM(config)
+    cuda = torch.device("cuda", 0)
+
+    def buckets(dtype: torch.dtype, major: int) -> list[int]:
+        monkeypatch.setattr(moe, "cuda_major", lambda index: major)
+        settings = RunnerSettings(device=cuda, dtype=dtype, page_size=16, max_model_len=256,
+                                  max_num_seqs=4, chunk_size=64, kv_storage_dtype=dtype)
+        return startup.decode_buckets(settings, model, GraphBackend, cuda)
+
+    assert buckets(torch.bfloat16, 9) == [1, 2, 4]
+    assert not caplog.records
+    assert buckets(torch.bfloat16, 8) == buckets(torch.float16, 9) == []
+    assert "decode steps run without CUDA graphs" in caplog.text

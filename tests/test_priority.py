@@ -27,9 +27,15 @@ from nanoqwen import LLM, LLMEngine
 from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import EngineConfig
 from nanoqwen.scheduling.request import Request, Status
-from nanoqwen.scheduling.waiting_queue import PRIORITY_RANGE, WaitingQueue, urgency
+from nanoqwen.scheduling.waiting_queue import PRIORITY_RANGE, Policy, WaitingQueue
 
 VOCAB = 800
+
+
+def urgency(policy: str, priority: int, arrival_step: int, arrival: int, aging_steps: int):
+    """The key `policy` gives a request of `priority` arriving at `arrival_step`."""
+    request = Request(f"r{arrival}", [1], greedy(1), priority=priority)
+    return Policy(policy, aging_steps).urgency(request, arrival_step, arrival)
 
 
 def finish_order(engine: LLMEngine) -> list[str]:
@@ -67,7 +73,8 @@ def test_static_key_orders_like_aged_priority_at_every_step(
 
 def test_key_without_aging_and_under_fcfs() -> None:
     assert urgency("priority", 3, 99, 7, 0) == (3, 7)
-    assert urgency("fcfs", 3, 99, 7, 16) == urgency("fcfs", -5, 0, 7, 16) == (0, 7)
+    # fcfs ignores aging and the arrival step (priorities are refused: all are 0).
+    assert urgency("fcfs", 0, 99, 7, 16) == urgency("fcfs", 0, 0, 7, 16) == (0, 7)
 
 
 @settings(max_examples=100)
@@ -110,9 +117,9 @@ def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
     for bad in (1.5, "1", None, True):
         with pytest.raises(ValueError, match="priority must be an integer"):
             llm.engine.add_request([5, 6, 7], greedy(2), priority=bad)
-    with pytest.raises(ValueError, match="priority must be a list of 3 integers"):
+    with pytest.raises(ValueError, match="priority must be a list of 3"):
         llm.generate([[5], [6], [7]], greedy(2), priority=[0, 1])
-    with pytest.raises(ValueError, match="priority must be a list of 2 integers"):
+    with pytest.raises(ValueError, match="priority must be a list of 2"):
         llm.generate([[5], [6]], greedy(2), priority=1)
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.generate([[5], [6]], greedy(2), priority=[0, "high"])

@@ -17,6 +17,7 @@ import resource
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from server_helpers import (
@@ -193,11 +194,11 @@ def test_a_failure_while_adding_aborts_what_was_added(qwen3_dir: str) -> None:
         add, calls = server.engine.add_request, itertools.count()
 
         def flaky_add(
-            prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0
+            prompt: list[int], params: SamplingParams, request_id: str, **scheduling: Any
         ) -> str:
             if next(calls) == 1:
                 raise TypeError("a bug while adding the second prompt")
-            return add(prompt, params, request_id=request_id, priority=priority)
+            return add(prompt, params, request_id=request_id, **scheduling)
 
         server.engine.add_request = flaky_add
         body = {"prompt": ["hello", "world"], **LONG_RUNNING}

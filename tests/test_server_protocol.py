@@ -1,7 +1,8 @@
 """vLLM's and SGLang's extensions to the OpenAI protocol, as their own servers' tests use
 them, through the unmodified openai client (`extra_body` for fields it does not know) and
 raw HTTP for raw fields: regex-constrained output, usage in every chunk, prompt logprobs,
-chat echo, custom roles, which stop ended a reply, and the embeddings answer's id."""
+chat echo, custom roles, which stop ended a reply, the ids a sample may take, and the
+embeddings answer's id."""
 
 from __future__ import annotations
 
@@ -163,6 +164,21 @@ def test_matched_stop_says_what_ended_the_reply(server: OpenAIServer) -> None:
             status, _, text = call(server, "POST", path, {**body, **extra, "stream": True})
             last = json.loads(text.split("data: ")[-2])["choices"][0]
             assert (last["finish_reason"], last["matched_stop"]) == (reason, matched)
+
+
+# ---------------------------------------------------------------------------- allowed ids
+def test_allowed_token_ids_bound_what_is_sampled(server: OpenAIServer,
+                                                 client: openai.OpenAI) -> None:
+    allowed = [64, 65, 67, 87]  # one character each
+    assert [server.engine.tokenizer.decode([i]) for i in allowed] == list("^_au")
+    reply = client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=12, temperature=1, seed=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert re.fullmatch("[\\^_au]{12}", reply.choices[0].text), reply.choices[0].text
+    for bad in ([], "11", [-1], [1.5], [10**9]):
+        status, _, body = call(server, "POST", "/v1/chat/completions", {
+            "messages": CHAT, "max_tokens": 2, "allowed_token_ids": bad})
+        assert (status, body["error"]["param"]) == (400, "allowed_token_ids"), (bad, body)
 
 
 # ---------------------------------------------------------------------------- small ones

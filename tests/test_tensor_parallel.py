@@ -33,6 +33,7 @@ from torch.distributed.run import main as torchrun
 
 from nanoqwen import LLM, SamplingParams, StepError
 from nanoqwen.attention.base import AttentionMetadata
+from nanoqwen.memory.state_pool import lay_out_states
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import TensorParallel, split_across
 from nanoqwen.model.loading import TensorSlice
@@ -450,11 +451,17 @@ def expected_slice(
     return weight  # norms, Qwen3's q/k norms included, are the same on every rank
 
 
-def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> None:
+@pytest.mark.parametrize("with_states", [False, True], ids=["paged-only", "with-state-slots"])
+def test_step_broadcast_carries_everything_the_model_reads(with_states: bool) -> None:
     """Every tensor of a step crosses to the other ranks, and arrives equal; what stays on
-    rank 0 is its bookkeeping (which requests the rows are), never a tensor."""
+    rank 0 is its bookkeeping (which requests the rows are), never a tensor. A model with
+    recurrent layers also sends each row's state slot and the copies around the forward."""
     request = Request("r", list(range(9)), greedy(1), pages=[1, 2, 3])
-    inputs = lay_out([Row(request, 0, request.token_ids, 1)], 4, torch.device("cpu"), pad_to=2)
+    slots = {"state_slot": 3, "state_source": 5, "state_save": 7} if with_states else {}
+    inputs = lay_out([Row(request, 0, request.token_ids, 1, **slots)], 4, torch.device("cpu"),
+                     pad_to=2)
+    if with_states:
+        inputs.states = lay_out_states([Row(request, 0, request.token_ids, 1, **slots)], 2)
     wire = step_to_wire(inputs)
     assert set(wire.tensors) == set(STEP_WIRE.tensor_names)
     assert set(wire.ints) == set(STEP_WIRE.int_names)
@@ -467,6 +474,12 @@ def test_step_broadcast_carries_everything_the_model_reads(qwen2_dir: str) -> No
             assert torch.equal(mine, theirs), field
         elif field in ("bucket", "num_sampled"):
             assert mine == theirs, field
+        elif field == "states":
+            assert (mine is None) == (theirs is None) == (not with_states)
+            if with_states:
+                assert theirs.query_lens == mine.query_lens == [9, 1]
+                for part in ("slots", "copies_before", "copies_after"):
+                    assert torch.equal(getattr(mine, part), getattr(theirs, part)), part
         else:
             assert field in ("sampled", "extra"), field  # rank 0's bookkeeping
     assert received.bucket == inputs.bucket == 2

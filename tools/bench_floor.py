@@ -1,5 +1,5 @@
 """The dense-matmul floor of `bench.py --floor`: how far the engine is from the arithmetic
-no engine can skip.
+no engine can skip (for the dense Qwen2 and Qwen3).
 
 Every engine pays the same matrix products per token: the q/k/v and output projections,
 the MLP's gate/up and down projections, the embedding lookup, and the vocabulary
@@ -20,7 +20,7 @@ The rest of the engine's wall time is split so that the parts add up exactly:
   stop checks and the benchmark's own loop.
 
 A batch of one request is bound by something else: each step reads every weight to make
-one token, so no engine beats the time the device takes to read them (`bandwidth_floor`:
+one token (of a mixture of experts, the routed ones only), so no engine beats the time the device takes to read them (`bandwidth_floor`:
 the weight bytes read per token over the bandwidth measured on the spot by copying a large
 tensor). bench reports it beside the time per output token, whatever the batch; its ratio
 says most with `--num-seqs 1`.
@@ -43,6 +43,7 @@ import torch
 
 from nanoqwen import LLMEngine
 from nanoqwen.attention.base import AttentionBackend
+from nanoqwen.model.moe import SparseMoeBlock
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.runner.runner import StepInputs
 from nanoqwen.scheduling.scheduler import Row
@@ -214,12 +215,24 @@ def measure_bandwidth(device: torch.device, size: int = 1 << 30, repeats: int = 
 
 def bytes_read_per_token(model: QwenForCausalLM) -> int:
     """The weight bytes one decode step reads to make one token: every weight once, but of
-    an embedding that is not also the lm_head, only one row."""
+    an embedding that is not also the lm_head, only one row, and of a sparse layer's routed
+    experts only the k the token is routed to."""
     embedding = model.model.embed_tokens.weight
-    total = weight_memory_bytes(model)
+    total = weight_memory_bytes(model) - unrouted_expert_bytes(model)
     if getattr(model.lm_head, "weight", None) is embedding:
         return total
     return total - tensor_bytes(embedding) + tensor_bytes(embedding[0])
+
+
+def unrouted_expert_bytes(model: QwenForCausalLM) -> int:
+    """The bytes of the E - k experts per sparse layer that one token is not routed to."""
+    unread = 0.0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = block.experts
+            stacks = tensor_bytes(experts.gate_up_proj.weight) + tensor_bytes(experts.down_proj.weight)
+            unread += stacks * (1 - block.num_experts_per_tok / experts.num_experts)
+    return round(unread)
 
 
 def bandwidth_floor(read_bytes: int, bandwidth: float, tpot_ms: float) -> dict[str, float]:

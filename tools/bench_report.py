@@ -42,7 +42,8 @@ PHASE_LABELS = {
 def print_report(console: Console, result: Metrics) -> None:
     settings = result["settings"]
     console.print(
-        f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}, "
+        f"[bold]{settings['model']}[/] ({parameters(settings)}) on {settings['device']} "
+        f"({settings['dtype']}, "
         f"KV cache {settings['kv_cache_dtype']}, {plural(settings['threads'], 'torch thread')}, "
         f"{plural(settings['tensor_parallel_size'], 'rank')}), "
         f"scenario {settings['scenario']}, {' and '.join(settings['scheduling_policies'])} "
@@ -68,6 +69,18 @@ def print_report(console: Console, result: Metrics) -> None:
         console.print(_bandwidth_table(result["bandwidth_floor"]))
     if "decode" in result:
         console.print(_decode_table(result["decode"]))
+
+
+def parameters(settings: Metrics) -> str:
+    """The architecture and its size: "Qwen3MoeForCausalLM, 30.5B parameters, 3.4B per
+    token" (a mixture of experts runs only its routed experts)."""
+    total, active = settings["parameters"], settings["active_parameters"]
+    text = f"{settings['architecture']}, {count(total)} parameters"
+    return text + (f", {count(active)} per token" if active != total else "")
+
+
+def count(number: int) -> str:
+    return f"{number / 1e9:.1f}B" if number >= 1e9 else f"{number / 1e6:.1f}M"
 
 
 def plural(count: int, noun: str, suffix: str = "s") -> str:
@@ -105,6 +118,11 @@ def _summary_table(
     table.add_row("peak KV pages used", f"{engine['peak_kv_pages']} of {engine['kv_pages_total']}")
     table.add_row("prefix cache hit rate", f"{engine['prefix_hit_rate']:.1%}")
     table.add_row("preemptions", str(engine["preemptions"]))
+    if "swaps" in engine:
+        swaps = engine["swaps"]
+        table.add_row("  swapped out / in (pages)", f"{swaps['swaps_out']} / {swaps['swaps_in']} "
+                      f"({swaps['pages_out']} / {swaps['pages_in']})")
+        table.add_row("  recomputed (host pool full)", str(swaps["recomputed"]))
     table.add_row("steps", str(engine["steps"]))
     if engine["reduced_thread_steps"]:
         table.add_row("  on fewer CPU threads (others busy)", str(engine["reduced_thread_steps"]))
@@ -255,3 +273,34 @@ def _bandwidth_table(floor: Metrics) -> Table:
     table.add_row("TPOT P50 (ms)", f"{floor['tpot_ms']:.1f}")
     table.add_row("TPOT over the floor", f"{floor['ratio']:.2f}x")
     return table
+
+
+def print_load_report(console: Console, result: Metrics) -> None:
+    """A run at request rates, in process and through servers (`bench.run_load`): one row
+    per engine and rate."""
+    settings = result["settings"]
+    limit = settings.get("max_concurrency")
+    console.print(
+        f"[bold]{settings['model']}[/] on {settings['device']} ({settings['dtype']}), "
+        f"{settings['num_seqs']} requests, "
+        f"scenario {settings['scenario']}, "
+        + (f"at most {limit} in flight, " if limit else "")
+        + f"median of {plural(settings['rounds'], 'round')}"
+    )
+    table = Table(title="Under load: by engine and request rate")
+    for name in ("engine", "rate (req/s)", "output tok/s", "vs engine", "TTFT P50 / P95 (ms)",
+                 "TPOT P50 / P95 (ms)", "goodput (req/s)", "errors", "same text"):
+        table.add_column(name, justify="left" if name == "engine" else "right")
+    ratios = result.get("vs_engine", {})
+    for label, by_rate in result["load"].items():
+        for rate, figures in by_rate.items():
+            ratio = ratios.get(label, {}).get(rate)
+            table.add_row(
+                label, rate, f"{figures['output_tok_s']:.1f}",
+                "" if ratio is None else f"{ratio:.2f}x",
+                _p50_p95(figures["ttft_ms"]), _p50_p95(figures["tpot_ms"]),
+                f"{figures['goodput_req_s']:.2f} ({figures['goodput_share']:.0%})",
+                str(figures.get("errors", 0)),
+                f"{figures['agreement']:.1%}" if "agreement" in figures else "",
+            )
+    console.print(table)

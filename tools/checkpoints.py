@@ -14,7 +14,7 @@ module writes ordinary transformers checkpoint directories (`config.json`,
   constant (RMSNorm weights to one, Qwen2's q/k/v biases to zero) are randomised, so an
   engine that forgot a norm weight or a bias would still produce different logits.
 * **Benchmarks** use `random_checkpoint(preset_or_config)`: the shape of a real model
-  (`PRESETS`, or any Qwen2/Qwen3 `config.json`) with a *synthetic* tokenizer of the full
+  (`PRESETS`, or any Qwen `config.json` nanoqwen runs) with a *synthetic* tokenizer of the full
   vocabulary size, whose invented merges spell word-like ASCII tokens, so detokenizing
   costs what it costs with a real model. Built once into a cache directory.
 
@@ -288,7 +288,76 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         dtype="float32",
     ),
+    # The shape of Qwen/Qwen3-30B-A3B, the mixture of experts most run on their own machines:
+    # 128 experts of width 768, 8 per token. 30.5B parameters, 3.3B of them per token: a GPU's.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        dtype="bfloat16",
+    ),
+    # `qwen3-cpu` with Qwen3-30B-A3B's experts in place of its MLPs: 128 experts of width
+    # 128, 8 per token, so a token runs the 1024 MLP channels `qwen3-cpu` runs, out of 16384.
+    "qwen3-moe-cpu": dict(
+        model_type="qwen3_moe",
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    ),
+    # `qwen3-cpu` as Qwen3.5 (dense) builds it: of its 6 layers, layer 4 is gated full
+    # attention and the rest Gated DeltaNet, each of about the attention's parameters
+    # (q and k in 2 heads of 64, v in 4, as Qwen3.5 has twice the value heads).
+    "qwen3.5-cpu": dict(
+        model_type="qwen3_5_text",
+        vocab_size=32000,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    ),
 }
+# The model types a config.json may name (transformers' names).
+MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_text",
+               "qwen3_5_moe_text")
 # Byte-level BPE shows a space as "Ġ"; with the letters it spells word-like tokens.
 WORD_SYMBOLS = ["Ġ", *"abcdefghijklmnopqrstuvwxyz"]
 
@@ -301,7 +370,8 @@ def default_cache_dir() -> Path:
 def random_checkpoint(preset_or_config: str, cache_dir: Path | None = None, seed: int = 0) -> str:
     """Directory of a random-weights checkpoint, built on first use.
 
-    `preset_or_config` is a key of `PRESETS` or the path of a Qwen2/Qwen3 `config.json`.
+    `preset_or_config` is a key of `PRESETS` or the path of a Qwen `config.json` (dense,
+    mixture-of-experts or hybrid: `MODEL_TYPES`).
     """
     name, shape = _resolve_shape(preset_or_config)
     fingerprint = hashlib.sha256(json.dumps([shape, seed], sort_keys=True).encode()).hexdigest()
@@ -319,9 +389,10 @@ def _resolve_shape(preset_or_config: str) -> tuple[str, dict[str, Any]]:
         presets = ", ".join(PRESETS)
         raise ValueError(f"{preset_or_config!r} is neither a preset ({presets}) nor a config.json")
     shape = json.loads(path.read_text())
-    if shape.get("model_type") not in ("qwen2", "qwen3"):
+    if shape.get("model_type") not in MODEL_TYPES:
         raise ValueError(
-            f"{path} is not a Qwen2/Qwen3 config (model_type {shape.get('model_type')!r})"
+            f"{path} is not a config of a Qwen nanoqwen runs (model_type "
+            f"{shape.get('model_type')!r}, not one of {', '.join(MODEL_TYPES)})"
         )
     return "config", shape
 
@@ -390,7 +461,7 @@ def build_checkpoint(
 ) -> None:
     """Write config, random weights and generation config for `tokenizer` into `directory`.
 
-    `shape` is a Qwen2/Qwen3 config as a dict (with `model_type`); its vocabulary defaults
+    `shape` is a Qwen config as a dict (with `model_type`); its vocabulary defaults
     to the tokenizer's, and its special ids are always the tokenizer's own.
     """
     special_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}

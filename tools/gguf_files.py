@@ -4,9 +4,10 @@ the tests, model-sized ones of random weights for benchmarks.
 A GGUF file is llama.cpp's single-file checkpoint: the config and the tokenizer live in its
 metadata under llama.cpp's key names, and the tensors under llama.cpp's names
 (`blk.0.attn_q.weight`), each in its own type (F32, F16, BF16, Q8_0, Q4_K, ...).
-`write_gguf` writes the weights of a transformers checkpoint directory that way, choosing each
-tensor's type with a function of its GGUF name, as llama.cpp's "mixes" (Q4_K_M and friends)
-choose different types for different tensors.
+`write_gguf` writes the weights of a transformers checkpoint directory (a dense or a
+mixture-of-experts Qwen) that way, choosing each tensor's type with a function of its GGUF
+name, as llama.cpp's "mixes" (Q4_K_M and friends) choose different types for different
+tensors.
 
 Types the `gguf` package can quantize (F16, BF16, Q8_0, Q4_0, Q5_0, ...) encode the
 checkpoint's own weights. The k-quants (Q4_K, Q5_K, Q6_K) have no quantizer in the package,
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -41,14 +43,23 @@ F = gguf.GGMLQuantizationType
 # with one, the scale `dmin` of its sub-blocks' minimums; and the dmin/d ratio that
 # centres random codes (0-15 for Q4_K, 0-31 for Q5_K) on zero. Q6_K's codes are signed.
 K_QUANT_SCALES = {F.Q4_K: (0, 2, 7.5), F.Q5_K: (0, 2, 15.5), F.Q6_K: (208, None, 0.0)}
-ARCHITECTURES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+# transformers' model type → llama.cpp's architecture name, and gguf's enum for its tensor names.
+ARCHITECTURES = {
+    "qwen2": ("qwen2", gguf.MODEL_ARCH.QWEN2),
+    "qwen3": ("qwen3", gguf.MODEL_ARCH.QWEN3),
+    "qwen2_moe": ("qwen2moe", gguf.MODEL_ARCH.QWEN2MOE),
+    "qwen3_moe": ("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE),
+}
+# One expert's part, as transformers saves it: `model.layers.3.mlp.experts.5.gate_proj.weight`.
+EXPERT_PART = re.compile(r"(?P<mlp>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight")
 
 TypeChooser = Callable[[str, tuple[int, ...]], gguf.GGMLQuantizationType]
 
 
 def all_of(qtype: gguf.GGMLQuantizationType) -> TypeChooser:
-    """Every matrix in `qtype`; vectors (norms, biases) in F32, as llama.cpp keeps them."""
-    return lambda name, shape: qtype if len(shape) == 2 else F.F32
+    """Every matrix (and stack of experts' matrices) in `qtype`; vectors (norms, biases) in
+    F32, as llama.cpp keeps them."""
+    return lambda name, shape: qtype if len(shape) > 1 else F.F32
 
 
 def k_quant_mix(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
@@ -95,26 +106,29 @@ def write_gguf(
     """Write `model_dir`'s config, tokenizer, chat template and weights as one GGUF file.
 
     `architecture` overrides the one derived from the config (to write a file of an
-    architecture nanoqwen does not run); tensors named in `drop` are left out. The
-    fixtures' tokenizer splits words like GPT-2, hence the "gpt2" pre-tokenizer; Qwen's own
-    files say "qwen2".
+    architecture nanoqwen does not run); tensors named in `drop` are left out. A sparse
+    model's experts are stacked per layer and part (`blk.N.ffn_gate_exps.weight`
+    `[E, rows, cols]`), as llama.cpp's converter writes them. The fixtures' tokenizer splits
+    words like GPT-2, hence the "gpt2" pre-tokenizer; Qwen's own files say "qwen2".
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    arch_name = architecture or config["model_type"]
-    writer = gguf.GGUFWriter(str(path), arch_name)
+    if config["model_type"] not in ARCHITECTURES:
+        raise ValueError(f"{model_dir}: no GGUF layout here for model type {config['model_type']!r}")
+    arch_name, tensor_arch = ARCHITECTURES[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), architecture or arch_name)
     _add_model_metadata(writer, config)
     _add_tokenizer_metadata(writer, model_dir, pre_tokenizer)
     rng = np.random.default_rng(seed)
-    tensor_arch = ARCHITECTURES.get(arch_name, gguf.MODEL_ARCH.QWEN2)
     names = gguf.get_tensor_name_map(tensor_arch, config["num_hidden_layers"])
-    checkpoint = safe_open(model_dir / "model.safetensors", framework="pt")
-    for hf_name in sorted(checkpoint.keys()):
+    for hf_name, tensor in _stacked_tensors(model_dir / "model.safetensors"):
         base, suffix = hf_name.rsplit(".", 1)
+        if names.get_name(base) is None:  # e.g. a dense layer in a Qwen2-MoE: llama.cpp has none
+            raise ValueError(f"{hf_name} has no name in a GGUF file of {arch_name}")
         name = f"{names.get_name(base)}.{suffix}"
         if name in drop:
             continue
-        weight = checkpoint.get_tensor(hf_name).to(torch.float32).numpy()
+        weight = tensor.to(torch.float32).numpy()
         qtype = choose_type(name, weight.shape)
         try:
             data = gguf.quantize(weight, qtype)
@@ -129,15 +143,31 @@ def write_gguf(
     return str(path)
 
 
+def _stacked_tensors(safetensors_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name; each layer's experts, saved one tensor per expert
+    and part, stacked into one tensor per part (`model.layers.N.mlp.experts.gate_proj.weight`)."""
+    experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    with safe_open(safetensors_path, framework="pt") as checkpoint:
+        for name in sorted(checkpoint.keys()):
+            match = EXPERT_PART.fullmatch(name)
+            if match is None:
+                yield name, checkpoint.get_tensor(name)
+            else:
+                stack = f"{match['mlp']}.{match['part']}.weight"
+                experts[stack][int(match["expert"])] = checkpoint.get_tensor(name)
+    for name, by_expert in sorted(experts.items()):
+        yield name, torch.stack([by_expert[expert] for expert in range(len(by_expert))])
+
+
 def random_blocks(
     weight: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
 ) -> np.ndarray:
     """Random blocks of `qtype`; for a k-quant, scaled to `weight`'s standard deviation."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = weight.shape
-    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    shape = (*weight.shape[:-1], -1)  # rows of bytes, as `gguf.quantize` returns them
+    blocks = rng.integers(0, 256, size=(weight.size // block_size, type_size), dtype=np.uint8)
     if qtype not in K_QUANT_SCALES:
-        return blocks.reshape(rows, -1)
+        return blocks.reshape(shape)
     d_offset, dmin_offset, dmin_ratio = K_QUANT_SCALES[qtype]
 
     def set_scales(d: float) -> None:
@@ -148,9 +178,9 @@ def random_blocks(
 
     # Dequantized values are linear in the super-block scales: measure at 1, then rescale.
     set_scales(1.0)
-    spread = gguf.dequantize(blocks.reshape(rows, -1), qtype).std()
+    spread = gguf.dequantize(blocks.reshape(shape), qtype).std()
     set_scales(float(weight.std() / spread))
-    return blocks.reshape(rows, -1)
+    return blocks.reshape(shape)
 
 
 def _add_model_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
@@ -171,6 +201,13 @@ def _add_model_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
         if "original_max_position_embeddings" in rope:
             writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_experts") or config.get("num_local_experts")  # Qwen3-MoE: local
+    if experts:  # as llama.cpp's converter writes a Qwen MoE's experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _add_tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, pre_tokenizer: str) -> None:

@@ -10,7 +10,9 @@ is drawn by hand, so a picture changes when the code does:
 
 Without `--model` it builds the tiny Qwen3 checkpoint the tests use (seeded, and run in
 float32 on one CPU thread, on a GPU machine too: the same pictures every run, whatever the
-CPU; the step timings of `one_step.png` excepted, which are this machine's CPU's).
+CPU; the step timings of `one_step.png` excepted, which are this machine's CPU's); the
+pictures of the mixture-of-experts and hybrid models are drawn from tiny checkpoints of
+those kinds (`KIND_PICTURES`).
 matplotlib is an optional extra: `pip install -e ".[plot]"`.
 """
 
@@ -661,6 +663,238 @@ def draw_load(points: list[LoadPoint], path: Path) -> None:
     _save(fig, path)
 
 
+# --------------------------------------------------------------------------- 9. policies
+# One seat; a user's batch of four long jobs at step 0, then two short chats of another
+# user at step 4 and one of a third at step 8: (user, prompt tokens, output tokens,
+# priority, deadline in seconds or None, arrival step).
+POLICY_WORKLOAD = [
+    ("alice", 48, 8, 1, None, 0), ("alice", 40, 8, 1, None, 0),
+    ("alice", 56, 8, 1, None, 0), ("alice", 32, 8, 1, None, 0),
+    ("bob", 6, 4, 0, 20, 4), ("bob", 12, 4, 0, 10, 4), ("carol", 24, 4, 0, 5, 8),
+]
+POLICY_ORDER = ("fcfs", "priority", "deadline", "sjf", "fair")
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    ran: list[list[int]]  # per request of POLICY_WORKLOAD, the steps it computed in
+    finished: list[int]  # the step it finished in
+    outputs: list[list[int]]
+    preemptions: int
+
+
+def collect_policies(model: str) -> list[PolicyRun]:
+    """The same arrivals under every policy, one seat: who runs in which step."""
+    runs = []
+    for policy in POLICY_ORDER:
+        engine = LLMEngine(model, max_num_seqs=1, page_size=8, num_pages=128,
+                           scheduling_policy=policy, **ON_THE_CPU)
+        recorder = StepRecorder()
+        observe(engine, recorder)
+        token = iter(range(50, 10_000))
+        ids: list[str] = []
+        finished: dict[str, int] = {}
+        outputs: dict[str, list[int]] = {}
+        step = 0
+        while len(ids) < len(POLICY_WORKLOAD) or engine.has_unfinished_requests():
+            for user, length, out, priority, deadline, arrival in POLICY_WORKLOAD:
+                if arrival == step:
+                    prompt = [next(token) % 700 + 50 for _ in range(length)]
+                    ids.append(engine.add_request(
+                        prompt, SamplingParams(max_tokens=out, **GREEDY), deadline=deadline,
+                        user=user, priority=priority if policy == "priority" else 0))
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id], outputs[output.request_id] = step, output.token_ids
+            step += 1
+        ran = [[s for s, batch in enumerate(recorder.steps) if any(row[0] == rid for row in batch)]
+               for rid in ids]
+        runs.append(PolicyRun(policy, ran, [finished[i] for i in ids], [outputs[i] for i in ids],
+                              engine.stats()["requests"]["preemptions"]))
+    return runs
+
+
+def draw_policies(runs: list[PolicyRun], path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, panels = plt.subplots(len(runs), 1, figsize=(11, 2.1 * len(runs)), sharex=True)
+    colors = {"alice": "#c98b4a", "bob": "#4f7f6f", "carol": "#5a78a8"}
+    labels = [f"{user} {length}t" + (f" due {deadline}s" if deadline else "")
+              + (" p1" if priority else "")
+              for user, length, _, priority, deadline, _ in POLICY_WORKLOAD]
+    for axes, run in zip(panels, runs):
+        waits = []
+        for row, (request, steps) in enumerate(zip(POLICY_WORKLOAD, run.ran)):
+            user, arrival = request[0], request[5]
+            axes.plot([arrival, run.finished[row] + 1], [row, row], color="#bbbbbb", lw=1)
+            axes.broken_barh([(s, 1) for s in steps], (row - 0.35, 0.7), color=colors[user])
+            axes.text(run.finished[row] + 1.3, row, str(sorted(run.finished).index(
+                run.finished[row]) + 1), va="center", fontsize=7)
+            waits.append(steps[0] - arrival)
+        axes.set_yticks(range(len(labels)), labels, fontsize=7)
+        axes.invert_yaxis()
+        axes.set_title(f"{run.policy}: mean wait for a first step {sum(waits) / len(waits):.1f} "
+                       f"steps (bob and carol: {sum(waits[4:]) / 3:.1f}); preempted for the seat: "
+                       f"{run.preemptions}", fontsize=9, loc="left")
+    panels[-1].set_xlabel("engine step (one seat; grey: waiting, colour: computing; the number "
+                          "is the finish order)")
+    fig.suptitle("The same arrivals under each scheduling policy: alice's four long jobs at "
+                 "step 0, bob's two short ones at step 4, carol's at step 8\n(t: prompt "
+                 "tokens; due: its deadline; p1: priority 1, which only the priority policy "
+                 "reads)", fontsize=10)
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 10. experts
+@dataclass
+class ExpertLoad:
+    """Every routing decision of a run on a mixture-of-experts model, counted."""
+
+    num_experts: int
+    top_k: int
+    tokens: int  # tokens through the model; each went through every sparse layer once
+    per_layer: list[list[int]]  # [sparse layer][expert]: (token, k) pairs routed there
+    decode_steps: list[tuple[int, list[int]]]  # (batch size, each layer's experts that ran)
+
+
+def collect_expert_load(model: str) -> ExpertLoad:
+    """Twenty requests of mixed lengths, their prompts prefilled in chunks and their
+    answers decoded in batches that shrink as requests finish: which experts each sparse
+    layer's `route` chose, step by step, as the engine ran them."""
+    engine = LLMEngine(model, page_size=8, num_pages=256, chunk_size=96, **ON_THE_CPU)
+    recorder = StepRecorder()
+    observe(engine, recorder)
+    blocks = [layer.mlp for layer in engine.runner.model.model.layers if hasattr(layer.mlp, "experts")]
+    routed: list[list[torch.Tensor]] = [[] for _ in blocks]  # per layer, per step: ids [T, k]
+    for block, calls in zip(blocks, routed):
+        block.route = _recording(block.route, calls)
+    generator = torch.Generator().manual_seed(5)
+    for i in range(20):
+        prompt = torch.randint(50, 750, (8 + 5 * i,), generator=generator).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=6 + 2 * i, **GREEDY))
+    _run_until_idle(engine)
+    num_experts = blocks[0].experts.num_experts
+    per_layer = [torch.bincount(torch.cat(calls).flatten(), minlength=num_experts).tolist()
+                 for calls in routed]
+    decode_steps = [
+        (len(rows), [len(calls[step].unique()) for calls in routed])
+        for step, rows in enumerate(recorder.steps) if all(n == 1 for _, n, *_ in rows)
+    ]
+    tokens = sum(n for rows in recorder.steps for _, n, *_ in rows)
+    return ExpertLoad(num_experts, blocks[0].num_experts_per_tok, tokens, per_layer, decode_steps)
+
+
+def _recording(route: Any, calls: list[torch.Tensor]) -> Any:
+    def recorded(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        expert_ids, weights = route(hidden)
+        calls.append(expert_ids.clone())
+        return expert_ids, weights
+
+    return recorded
+
+
+def draw_expert_load(load: ExpertLoad, path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, (heat, steps) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    shares = torch.tensor(load.per_layer, dtype=torch.float32) / load.tokens
+    image = heat.imshow(shares.numpy(), cmap="viridis", aspect="auto")
+    heat.set_xlabel("expert")
+    heat.set_ylabel("sparse layer")
+    heat.set_yticks(range(len(load.per_layer)))
+    heat.set_title(f"Share of the run's {load.tokens} tokens each expert got "
+                   f"(top-{load.top_k} of {load.num_experts};\nuniform would be "
+                   f"{load.top_k / load.num_experts:.3f} everywhere)", fontsize=10)
+    fig.colorbar(image, ax=heat, fraction=0.04)
+    sizes = [size for size, _ in load.decode_steps]
+    ran = [sum(layers) / len(layers) for _, layers in load.decode_steps]
+    steps.scatter(sizes, ran, s=14, color="#3060a0", label="a decode step (mean over layers)")
+    batch = range(1, max(sizes) + 1)
+    uniform = [load.num_experts * (1 - (1 - load.top_k / load.num_experts) ** b) for b in batch]
+    steps.plot(batch, uniform, color="#aa3333", lw=1,
+               label="uniform routing: E·(1 − (1 − k/E)^B)")
+    steps.axhline(load.num_experts, color="#888888", ls=":", lw=1)
+    steps.set_xlabel("decode batch size B")
+    steps.set_ylabel("experts that ran")
+    steps.set_ylim(0, load.num_experts + 1)
+    steps.set_title("Experts a decode step runs: the grouped loop\nskips the rest", fontsize=10)
+    steps.legend(fontsize=8, loc="lower right")
+    _save(fig, path)
+
+
+# --------------------------------------------------------------------------- 11. the two pools
+@dataclass
+class PoolsStep:
+    pages: tuple[int, int, int]  # KV pages used, cached, free
+    slots: tuple[int, int, int]  # state slots running, snapshots, free
+    running: int  # requests running
+    restored: list[int]  # cached prompt tokens of each request whose first token came now
+
+
+def collect_pools(model: str) -> list[PoolsStep]:
+    """A hybrid model serving ten chats that share a system prompt, each sent a second
+    turn (its prompt, its reply, a new message) as soon as it finishes: KV pages and state
+    slots side by side, step by step."""
+    engine = LLMEngine(model, page_size=8, num_pages=100, chunk_size=64, max_num_seqs=8,
+                       **ON_THE_CPU)
+    system = list(range(30, 78))  # six pages every request starts with
+    arrivals = {6 * i: [(system + [100 + 9 * i + j for j in range(8 + 3 * i)], 16)] for i in range(10)}
+    history: list[PoolsStep] = []
+    first_turns: set[str] = set()
+    seen: set[str] = set()
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        for prompt, max_tokens in arrivals.pop(step, []):
+            request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+            if max_tokens == 16:
+                first_turns.add(request_id)
+        restored = []
+        for output in engine.step():
+            if output.request_id not in seen:
+                seen.add(output.request_id)
+                restored.append(output.num_cached_tokens)
+            if output.finished and output.request_id in first_turns:  # its second turn
+                follow_up = output.prompt_token_ids + output.token_ids + [700, 701, 702, 703]
+                arrivals.setdefault(step + 1, []).append((follow_up, 8))
+        stats = engine.stats()
+        pages, slots = stats["kv_cache"], stats["state_pool"]
+        history.append(PoolsStep(
+            (pages["pages_used"], pages["pages_cached"], pages["pages_free"]),
+            (slots["slots_running"], slots["slots_snapshots"], slots["slots_free"]),
+            stats["requests"]["running"], restored,
+        ))
+        step += 1
+    return history
+
+
+def draw_pools(history: list[PoolsStep], path: Path) -> None:
+    plt, _ = _pyplot()
+    fig, (kv, states) = plt.subplots(2, 1, figsize=(11.5, 5.6), sharex=True)
+    steps = range(len(history))
+    kv.stackplot(steps, *zip(*(h.pages for h in history)),
+                 labels=["in use", "cached (evictable)", "free"],
+                 colors=["#5b8e7d", "#8cb4d8", "#eeeeee"])
+    kv.set_ylabel("KV pages")
+    kv.set_title("The two pools of a hybrid model: KV pages for its full-attention layers "
+                 "(above),\nstate slots for its Gated DeltaNet layers (below); a triangle: a "
+                 "request whose first tokens came from the cache (how many)", fontsize=10)
+    states.stackplot(steps, *zip(*(h.slots for h in history)),
+                     labels=["running (one a request)", "snapshots (evictable)", "free"],
+                     colors=["#c98b4f", "#e8c89a", "#eeeeee"])
+    states.set_ylabel("state slots")
+    states.set_xlabel("engine step")
+    total = sum(history[0].slots)
+    for step, entry in enumerate(history):
+        for cached in entry.restored:
+            if cached:
+                states.plot(step, total + 0.3, marker="v", color="#3060a0", ms=6, clip_on=False)
+                states.text(step, total + 0.7, str(cached), ha="center", fontsize=6)
+    states.set_ylim(0, total + 1.2)
+    for axes in (kv, states):
+        axes.set_xlim(0, len(history) - 1)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    _save(fig, path)
+
+
 # --------------------------------------------------------------------------- all of them
 PICTURES = {
     "page_table.png": (collect_page_table, draw_page_table),
@@ -671,15 +905,43 @@ PICTURES = {
     "kv_pool.png": (collect_pool, draw_pool),
     "one_step.png": (collect_one_step, draw_one_step),
     "load.png": (collect_load, draw_load),
+    "policies.png": (collect_policies, draw_policies),
+}
+# The pictures of the other model kinds, each with the kind of tiny checkpoint it is drawn
+# from: `tools/checkpoints.py`'s builder of that kind, with these overrides (more experts
+# than the tests' model, so that a decode batch does not reach them all).
+KIND_PICTURES = {
+    "expert_load.png": ("qwen3_moe", collect_expert_load, draw_expert_load),
+    "hybrid_pools.png": ("qwen3_5", collect_pools, draw_pools),
+}
+KIND_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=32, num_experts_per_tok=4, num_hidden_layers=4),
+    "qwen3_5": {},
 }
 
 
-def draw_all(model: str, out: Path) -> list[Path]:
+def build_kind(kind: str, directory: str | Path) -> str:
+    """The tiny checkpoint of `kind` that its pictures are drawn from."""
+    from tools import checkpoints
+
+    return getattr(checkpoints, f"build_{kind}")(directory, **KIND_OVERRIDES[kind])
+
+
+def draw_all(model: str, out: Path, kind_models: dict[str, str] | None = None) -> list[Path]:
+    """Every picture: `PICTURES` of the dense `model`, `KIND_PICTURES` of `kind_models`
+    (those not given are built here)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (collect, draw) in PICTURES.items():
         draw(collect(model), out / name)
         written.append(out / name)
+    with tempfile.TemporaryDirectory() as scratch:
+        models = dict(kind_models or {})
+        for name, (kind, collect, draw) in KIND_PICTURES.items():
+            if kind not in models:
+                models[kind] = build_kind(kind, Path(scratch) / kind)
+            draw(collect(models[kind]), out / name)
+            written.append(out / name)
     return written
 
 

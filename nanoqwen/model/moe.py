@@ -180,13 +180,28 @@ def runs_grouped_gemm(hidden: torch.Tensor, channels: int) -> bool:
     """Does torch's grouped GEMM serve these experts without a host sync? Only its CUTLASS
     kernel does (bf16 on sm90/sm100, rows 16-byte aligned); elsewhere torch loops over every
     group with the sizes read on the host, where the grouped loop at least skips empty ones."""
+    return grouped_gemm_serves(hidden.device, hidden.dtype, hidden.shape[-1], channels)
+
+
+def grouped_gemm_serves(
+    device: torch.device, dtype: torch.dtype, hidden_size: int, channels: int
+) -> bool:
     return (
-        hidden.is_cuda
-        and hidden.dtype == torch.bfloat16
+        device.type == "cuda"
+        and dtype == torch.bfloat16
         and hasattr(F, "grouped_mm")
-        and hidden.shape[-1] % 8 == 0
+        and hidden_size % 8 == 0
         and channels % 8 == 0
-        and cuda_major(hidden.device.index) in (9, 10)
+        and cuda_major(device.index) in (9, 10)
+    )
+
+
+def experts_fit_cuda_graphs(model: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Can a CUDA graph hold the model's experts? Only where the grouped GEMM runs them:
+    the grouped loop reads its experts' row counts on the host, which a graph cannot."""
+    return all(
+        grouped_gemm_serves(device, dtype, *block.experts.down_proj.weight.shape[1:])
+        for block in model.modules() if isinstance(block, SparseMoeBlock)
     )
 
 

@@ -18,6 +18,7 @@ runs this same start-up over its slice, and the ranks agree on the smallest page
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ from nanoqwen.weights.loader import load_model
 if TYPE_CHECKING:
     from nanoqwen.memory.state_pool import StateCache
 
+logger = logging.getLogger(__name__)
 # On the CPU the cache shares RAM with everything else: by default it takes at most this
 # share of the machine's RAM.
 CPU_KV_CACHE_FRACTION = 0.2
@@ -229,6 +231,14 @@ def decode_buckets(
     graphs can be captured (`cuda_graph.py`); none means every step runs eagerly."""
     if settings.enforce_eager or (settings.decode_buckets is None and device.type != "cuda"):
         return []
+    if settings.decode_buckets is None and model.config.moe is not None:
+        from nanoqwen.model.moe import experts_fit_cuda_graphs
+
+        if not experts_fit_cuda_graphs(model, settings.dtype, device):
+            logger.warning("decode steps run without CUDA graphs: this model's experts run on "
+                           "torch's grouped GEMM only in bfloat16 on sm90/sm100 GPUs, and "
+                           "elsewhere read their row counts on the host")
+            return []
     from nanoqwen.runner.cuda_graph import decode_buckets as buckets_for
 
     return buckets_for(settings.decode_buckets, settings.max_num_seqs, device, backend_class,

@@ -33,9 +33,9 @@ def plug_in(request: Any, engine: Any) -> None:
     for processor in penalties.for_params(params):
         sampler.add_processor(processor)
     if params.structured_output is not None:
-        from nanoqwen.sampling.grammar import GrammarMasks
+        from nanoqwen.sampling.grammar import GrammarMasks, compiler_for
 
-        request.grammar = engine.grammars.matcher(params.structured_output)
+        request.grammar = compiler_for(engine).matcher(params.structured_output)
         sampler.add_processor(GrammarMasks)
     if params.logprobs is not None or params.prompt_logprobs is not None:
         from nanoqwen.sampling.logprobs import PromptScorer, with_logprobs

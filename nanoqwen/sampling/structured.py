@@ -1,8 +1,8 @@
 """`StructuredOutput`: the grammar a request's output must follow, as a request states it.
 
-The spec alone, checked when it is made; compiling it into a token automaton and masking
-logits with it is `grammar.py`'s work, which only runs (and is only imported) for requests
-that ask for one.
+The spec alone, checked when it is made, and the budget a server compiles it within;
+compiling it into a token automaton and masking logits with it is `grammar.py`'s work,
+which only runs (and is only imported) for requests that ask for one.
 """
 
 from __future__ import annotations
@@ -47,3 +47,12 @@ class StructuredOutput:
     @property
     def kind(self) -> str:
         return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+
+@dataclass(frozen=True)
+class CompileBudget:
+    """What compiling one grammar may cost a server: wall-clock seconds, and bytes of
+    memory (`grammar_sandbox.py` enforces it)."""
+
+    seconds: float
+    memory_bytes: int

@@ -9,7 +9,7 @@ other modules need to know about one request lives here:
   many of its tokens already have K/V in them (`num_computed_tokens`). Tokens past that
   still need a forward pass: a whole prompt chunk for a prefill, one token for a decode;
 * its place in the queues (`status`), why it ended (`finish_reason`), and how urgent it is
-  (`priority`, lower first, and the `urgency` key the waiting queue orders by);
+  (`priority`, when it is `due`, its `user`, and the `urgency` the waiting queue orders by);
 * how to sample it (`params`, a seeded `generator`) and how to stream its text
   (`detokenizer`).
 
@@ -60,7 +60,10 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served; None until admitted
     num_pages_in_cache: int = 0  # leading pages already offered to the prefix cache
     finish_reason: str | None = None
+    error: str | None = None  # a feature cannot go on with it: the engine ends it, alone
     priority: int = 0  # lower is more urgent
+    due: float | None = None  # when its deadline falls (`time.monotonic()`), if it has one
+    user: str | None = None  # who sent it (None: the one shared user)
     urgency: Urgency = (0, 0)  # set by the scheduler when the request arrives
     state_slot: int | None = None  # its slot of the state pool (models with recurrent layers)
     # What optional features keep on a request (see the module docstring).

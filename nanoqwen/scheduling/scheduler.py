@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -39,7 +40,7 @@ from nanoqwen.memory.page_allocator import PageAllocator
 from nanoqwen.memory.radix_cache import RadixCache
 from nanoqwen.memory.state_pool import StateSlots
 from nanoqwen.scheduling.request import Request, Status
-from nanoqwen.scheduling.waiting_queue import WaitingQueue, urgency
+from nanoqwen.scheduling.waiting_queue import Policy, WaitingQueue
 
 PREEMPTION_CAUSES = ("kv_pages", "max_num_seqs")
 URGENCY = attrgetter("urgency")
@@ -79,8 +80,7 @@ class Scheduler:
         cache: RadixCache | None,
         max_num_seqs: int,
         chunk_size: int,
-        policy: str = "fcfs",
-        aging_steps: int = 0,
+        policy: Policy,
         states: StateSlots | None = None,  # the state pool's slots, for recurrent layers
     ) -> None:
         self.allocator = allocator
@@ -90,18 +90,16 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size
         self.policy = policy
-        self.aging_steps = aging_steps
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # most urgent first
         self.num_steps = 0  # schedule() calls so far: the clock that priorities age by
         self._arrivals = itertools.count()
         self.preemptions = dict.fromkeys(PREEMPTION_CAUSES, 0)
+        self.deadlines = {"met": 0, "missed": 0}  # requests with one, by when they finished
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
-        request.urgency = urgency(
-            self.policy, request.priority, self.num_steps, next(self._arrivals), self.aging_steps
-        )
+        request.urgency = self.policy.urgency(request, self.num_steps, next(self._arrivals))
         self.waiting.push(request)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -112,6 +110,8 @@ class Scheduler:
             self.waiting.remove(request)
         self._release_pages(request)
         request.status, request.finish_reason = Status.FINISHED, reason
+        if request.due is not None and (reason != "abort" or time.monotonic() > request.due):
+            self.deadlines["met" if time.monotonic() <= request.due else "missed"] += 1
 
     def _release_pages(self, request: Request) -> None:
         self._offer_to_cache(request)

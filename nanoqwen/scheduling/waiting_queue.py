@@ -1,16 +1,14 @@
-"""Who goes next: each request's urgency as one sortable key, and the heap of waiting ones.
+"""Who goes next: a policy gives each request one sortable key; a heap holds the waiting ones.
 
-A request has a `priority` (lower is more urgent, 0 by default). Under the "priority"
-policy its effective priority *ages*, improving by one level per `aging_steps` steps of
-waiting, so that no request waits forever. The key
+A policy's `urgency` keys a request as it arrives (smaller: more urgent). Here "fcfs" and
+"priority", whose `priority` (lower first) *ages* a level per `aging_steps` steps. The key
 
-    priority * aging_steps + arrival_step        (then arrival order, to break ties)
+    level * aging_steps + arrival_step        (then arrival order, to break ties)
 
-computed once at arrival, orders requests exactly as their effective priorities do at
-every step: compare two requests at step `t` and `t` cancels. So the heap never needs
-re-sorting. With `aging_steps = 0` the key is the priority itself; "fcfs" is the same
-machinery with every request at level 0. Priorities lie in `PRIORITY_RANGE`, and an fcfs
-engine refuses a non-zero one (`check_priority`) rather than silently ignore it.
+orders requests as their effective levels do at every step: compare two at step `t` and
+`t` cancels, so the heap never needs re-sorting. With `aging_steps = 0` the key is the
+level itself; "fcfs" is every level 0. `policies.py` (deadlines, shortest prompt, fair turns
+between users) gives other levels or keys, imported only when an engine uses them.
 
 Invariant: a request's key never changes, while it waits or while it runs (the scheduler
 compares running and waiting keys to choose whom to preempt). A later arrival's key is at
@@ -23,40 +21,43 @@ why aging by whole levels would not give one key: docs/learn/08-preemption-and-p
 from __future__ import annotations
 
 import heapq
+import math
 
 from nanoqwen.scheduling.request import Request, Urgency
 
-# The priorities a request may ask for (lower is served sooner): bounded, so that aging
-# bounds every wait.
+# The priorities a request may ask for (lower is served sooner): bounded, so aging bounds waits.
 PRIORITY_RANGE = range(-10, 11)
 
 
-def check_priority(priority: object, policy: str) -> None:
-    """A ValueError unless `priority` is an integer in `PRIORITY_RANGE` that `policy` can
-    honour."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
-    if priority not in PRIORITY_RANGE:
-        low, high = PRIORITY_RANGE[0], PRIORITY_RANGE[-1]
-        raise ValueError(f"priority must be in [{low}, {high}], got {priority}")
-    if priority != 0 and policy != "priority":
-        raise ValueError(
-            f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r})"
-        )
+class Policy:
+    """"fcfs" and "priority" (see the module docstring); other policies subclass it."""
 
+    def __init__(self, name: str, aging_steps: int) -> None:
+        self.name, self.aging_steps = name, aging_steps if name != "fcfs" else 0
 
-def urgency(
-    policy: str, priority: int, arrival_step: int, arrival: int, aging_steps: int
-) -> Urgency:
-    """A request's key under `policy`; smaller is more urgent (see the module docstring).
+    def check(self, priority: object, deadline: object, user: object) -> None:
+        """A ValueError unless this engine honours the fields (a priority only "priority")."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority not in PRIORITY_RANGE:
+            low, high = PRIORITY_RANGE[0], PRIORITY_RANGE[-1]
+            raise ValueError(f"priority must be in [{low}, {high}], got {priority}")
+        if priority != 0 and self.name != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' "
+                             f"(this engine's is {self.name!r})")
+        if deadline is not None and not (type(deadline) in (int, float) and 0 < deadline < math.inf):
+            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
+        if user is not None and not isinstance(user, str):
+            raise ValueError(f"user must be a string, got {user!r}")
 
-    `arrival` numbers requests in the order they arrived and breaks every tie.
-    """
-    if policy == "fcfs":
-        return (0, arrival)
-    if aging_steps == 0:
-        return (priority, arrival)
-    return (priority * aging_steps + arrival_step, arrival)
+    def urgency(self, request: Request, step: int, arrival: int,
+                level: float | None = None) -> Urgency:
+        """The key of `request`, arriving at `step` as the `arrival`-th request, ranked by
+        `level` (another policy's), by default its priority (0 under fcfs)."""
+        level = request.priority if level is None else level
+        if self.aging_steps == 0:
+            return (level, arrival)
+        return (level * self.aging_steps + step, arrival)
 
 
 class WaitingQueue:

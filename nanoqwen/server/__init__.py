@@ -28,6 +28,8 @@ the bound `OpenAIServer`; `serve.py` is its command line.
 from nanoqwen.server.app import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
+    GRAMMAR_COMPILE_BYTES,
+    GRAMMAR_COMPILE_SECONDS,
     WRITE_TIMEOUT_SECONDS,
     OpenAIServer,
     ServerSettings,
@@ -35,6 +37,7 @@ from nanoqwen.server.app import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_QUEUE", "WRITE_TIMEOUT_SECONDS", "OpenAIServer",
-    "ServerSettings", "make_server",
+    "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_QUEUE", "GRAMMAR_COMPILE_BYTES",
+    "GRAMMAR_COMPILE_SECONDS", "WRITE_TIMEOUT_SECONDS", "OpenAIServer", "ServerSettings",
+    "make_server",
 ]

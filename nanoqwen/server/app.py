@@ -6,9 +6,10 @@
   and a file descriptor; one more is answered `503` from the accepting thread, without a
   thread of its own, and closed.
 * **Shutdown.** `server_close()` stops the engine loop (every request in flight gets its
-  final answer), gives the handlers `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts
-  the sockets of those still at it (a client that reads nothing, or sends a byte a second)
-  so that their threads end too: stopping takes seconds whatever the clients do.
+  final answer, and a grammar compiling for one is stopped), gives the handlers
+  `SHUTDOWN_GRACE_SECONDS` to finish writing, then shuts the sockets of those still at it
+  (a client that reads nothing, or sends a byte a second) so that their threads end too:
+  stopping takes seconds whatever the clients do.
 * **Reads and writes.** Each connection must deliver its request within `read_timeout`,
   and take its answer at a pace that never stalls for `write_timeout` (see `plumbing`), so
   an idle connection holds its slot, and its request its KV pages, only that long.
@@ -40,6 +41,8 @@ from nanoqwen.server.routes import OpenAIHandler
 from nanoqwen.server.settings import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
+    GRAMMAR_COMPILE_BYTES,
+    GRAMMAR_COMPILE_SECONDS,
     MAX_BODY_BYTES,
     READ_TIMEOUT_SECONDS,
     WRITE_TIMEOUT_SECONDS,
@@ -169,6 +172,8 @@ def make_server(
     read_timeout: float = READ_TIMEOUT_SECONDS,
     write_timeout: float = WRITE_TIMEOUT_SECONDS,
     allowed_origins: tuple[str, ...] | list[str] = (),
+    grammar_compile_timeout: float = GRAMMAR_COMPILE_SECONDS,
+    grammar_compile_memory: int = GRAMMAR_COMPILE_BYTES,
     **engine_options: Any,
 ) -> OpenAIServer:
     """Bind a server to (host, port), then load `model` into its engine; port 0 picks a
@@ -182,6 +187,8 @@ def make_server(
         max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
         max_connections=max_connections, read_timeout=read_timeout,
         write_timeout=write_timeout, allowed_origins=tuple(allowed_origins),
+        grammar_compile_timeout=grammar_compile_timeout,
+        grammar_compile_memory=grammar_compile_memory,
     )
     server = OpenAIServer((host, port), settings)
     # Under torchrun every rank runs this, and ranks above 0 serve steps for rank 0 inside

@@ -61,11 +61,13 @@ class QueueFull(Exception):
 
 
 class RequestFailed(Exception):
-    """The engine failed while computing this request; it was aborted, the server goes on."""
+    """This request could not be finished, and the server goes on: the engine failed while
+    computing it (it was aborted; `reason` is None), or the request itself could not go on
+    (finish_reason "error": its grammar allowed no next token; `reason` says so)."""
 
-    def __init__(self, request_id: str) -> None:
-        super().__init__(f"the engine failed while computing request {request_id}")
-        self.request_id = request_id
+    def __init__(self, request_id: str, reason: str | None = None) -> None:
+        super().__init__(reason or f"the engine failed while computing request {request_id}")
+        self.request_id, self.reason = request_id, reason
 
 
 Output = RequestOutput | NotServing | RequestFailed
@@ -99,6 +101,8 @@ class Submission:
             raise item
         if item.finished:
             self.unfinished.discard(item.request_id)
+        if item.finish_reason == "error":
+            raise RequestFailed(item.request_id, item.error)
         # A handler stops reading once it asks for an abort, so an abort it sees came from
         # the server stopping.
         if item.finish_reason == "abort":
@@ -126,10 +130,11 @@ class Reservation:
     def submit(
         self, sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str,
-        priority: int = 0,
+        scheduling: dict[str, Any] | None = None,
     ) -> Submission:
         """Add one engine request per (encoded prompt, params), as many as were reserved,
-        all at `priority`, all or none.
+        all with the same `scheduling` arguments of `add_request` (priority, deadline,
+        user), all or none.
 
         Raises whatever `add_request` raised (a `ValueError` for input the engine refuses)
         with nothing left behind in the engine.
@@ -138,7 +143,7 @@ class Reservation:
             raise RuntimeError("a reservation is submitted once, with the sequences it holds")
         outputs: queue.SimpleQueue[Output] = queue.SimpleQueue()
         loop = self.loop
-        ids = loop.call(lambda engine: loop._add(sequences, id_prefix, priority, outputs))
+        ids = loop.call(lambda engine: loop._add(sequences, id_prefix, scheduling or {}, outputs))
         self.held = False  # the engine requests hold the slots now
         return Submission(ids, outputs)
 
@@ -254,7 +259,7 @@ class EngineLoop:
         self,
         sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
         id_prefix: str,
-        priority: int,
+        scheduling: dict[str, Any],
         outputs: queue.SimpleQueue[Output],
     ) -> list[str]:
         ids: list[str] = []
@@ -262,7 +267,7 @@ class EngineLoop:
             for index, (prompt_ids, params) in enumerate(sequences):
                 request_id = f"{id_prefix}-{index}"
                 ids.append(
-                    self.engine.add_request(prompt_ids, params, request_id, priority=priority)
+                    self.engine.add_request(prompt_ids, params, request_id, **scheduling)
                 )
         except BaseException:
             for request_id in ids:  # all or none: a failing third prompt fails the request

@@ -5,7 +5,8 @@ OpenAI keeps adding request fields. A client that sends one it relies on must ne
 
 * **supported**: implemented (the tables of docs/server.md list them);
 * **labels**: OpenAI fields that only tag a request for the caller's own bookkeeping
-  (`user`, `metadata`, ...): accepted, no effect on the answer;
+  (`metadata`, `safety_identifier`, ...): accepted, no effect on the answer (`user` is
+  supported: it says whose turn a request takes under fair scheduling);
 * **unsupported**: every other OpenAI field: a 400 naming it, unless its value is the one
   this server's behaviour already matches (`best_of` equal to `n`, `store: false`, ...);
 * anything else is another server's extension unknown here: ignored with a logged warning,
@@ -29,6 +30,7 @@ _SAMPLING = {
     "temperature", "top_p", "seed",
     "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "priority",
+    "deadline", "user", "allowed_token_ids",
     "response_format", "structured_outputs",
     # vLLM's names before structured_outputs, still sent by older clients; SGLang's.
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "regex", "ebnf",
@@ -41,19 +43,19 @@ SUPPORTED = {
         "add_generation_prompt", "echo",
     },
     "completions": _SAMPLING | {"prompt", "echo"},
-    "embeddings": {"model", "input", "encoding_format"},
+    "embeddings": {"model", "input", "encoding_format", "user"},
     "responses": {
         "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
         "tools", "tool_choice", "parallel_tool_calls", "text", "include", "top_logprobs",
         "chat_template_kwargs", *RESPONSES_SAMPLING,
     },
 }
-_CHAT_LABELS = {"user", "metadata", "safety_identifier", "prompt_cache_key",
-                "prompt_cache_retention", "service_tier"}
+_CHAT_LABELS = {"metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                "service_tier"}
 LABELS = {
     "chat": _CHAT_LABELS,
-    "completions": {"user"},
-    "embeddings": {"user"},
+    "completions": set(),
+    "embeddings": set(),
     "responses": _CHAT_LABELS,
 }
 Honoured = Callable[[Any, dict[str, Any]], bool]  # (value, body) -> does it change nothing?

@@ -2,7 +2,8 @@
 
 Every generating route (chat completions, completions, the Responses API, embeddings)
 ends the same way once its request is checked: reserve queue slots (429 when full),
-tokenize while holding them, submit the sequences to the engine loop, and wait for their
+tokenize while holding them, submit the sequences to the engine loop (429 when their user
+has as many as `max_seqs_per_user` already), and wait for their
 outputs, checking between outputs that the client is still there and the request within
 its deadline; whatever is unfinished when the handler leaves is aborted. What differs is
 only the shape of the answer, which an `Answer` gives: one JSON document from the final
@@ -12,6 +13,7 @@ closing, and the error events of a stream that fails after its `200`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from typing import Any, Protocol
 from nanoqwen.engine import EncodedPrompt
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling.params import PoolingParams, SamplingParams
+from nanoqwen.scheduling.policies import UserLimitExceeded
 from nanoqwen.server import protocol
 from nanoqwen.server.engine_loop import (
     NotServing,
@@ -56,9 +59,19 @@ class GenerationHandler(HTTPHandler):
             )
         if isinstance(error, NotServing):
             return protocol.not_serving(str(error))
-        if isinstance(error, RequestFailed):  # the engine loop has logged it
-            return protocol.internal_error(self.record.request_id)
+        if isinstance(error, RequestFailed):
+            if error.reason is not None:  # the request's own doing (its grammar)
+                return APIError(400, error.reason, code="request_failed")
+            return protocol.internal_error(self.record.request_id)  # the loop has logged it
         return super()._as_api_error(error)
+
+    def _still_wanted(self) -> None:
+        """Raise unless someone still waits for this request: its client is there
+        (ClientDisconnected) and the server serving (NotServing)."""
+        self._check_client()
+        state = self.server.engine_loop.state
+        if state != "serving":
+            raise NotServing(f"the engine loop has {state}")
 
     def _name_request(self, prefix: str) -> str:
         """Give the request its id (`prefix` and random hex): answers, engine requests and
@@ -71,7 +84,7 @@ class GenerationHandler(HTTPHandler):
         self.record.samples_per_prompt = len(options.params)
         # Choices are ordered prompt by prompt, then sample by sample, as OpenAI orders them.
         sequences = [(prompt, params) for prompt in prompts for params in options.params]
-        with self._submitted(reservation, sequences, options.priority) as submission:
+        with self._submitted(reservation, sequences, options.scheduling) as submission:
             if options.stream:
                 self._stream(answer, submission)
             else:
@@ -84,18 +97,37 @@ class GenerationHandler(HTTPHandler):
         loop = self.server.engine_loop
         if count > loop.capacity:
             raise bad_request(f"{count} sequences asked for; this server holds {loop.capacity}")
+        per_user = self.server.engine.config.max_seqs_per_user
+        if per_user is not None and count > per_user:
+            raise bad_request(f"{count} sequences asked for; this server allows {per_user} "
+                              "per user at once")
         return loop.reserve(count)
+
+    def _user(self, given: str | None) -> str | None:
+        """Whom a request counts for (fair turns, per-user caps): its `user` field, else its
+        API key (as a digest: the key itself goes nowhere), else no one: the shared user."""
+        if given is not None or self.server.settings.api_key is None:
+            return given
+        token = self.headers.get("Authorization", "").partition(" ")[2].strip()
+        return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
     @contextmanager
     def _submitted(
         self, reservation: Reservation,
         sequences: list[tuple[EncodedPrompt, SamplingParams | PoolingParams]],
-        priority: int = 0,
+        scheduling: dict[str, Any],
     ) -> Iterator[Submission]:
-        """Hand the sequences to the engine; whatever is unfinished on leaving (the client
+        """Hand the sequences to the engine, with `add_request`'s `scheduling` arguments
+        (its `user` resolved by `_user`); whatever is unfinished on leaving (the client
         left, timed out, or something failed) is aborted."""
+        scheduling = {**scheduling, "user": self._user(scheduling.get("user"))}
         try:
-            submission = reservation.submit(sequences, self.record.request_id, priority)
+            submission = reservation.submit(sequences, self.record.request_id, scheduling)
+        except UserLimitExceeded as error:
+            raise APIError(
+                429, str(error), "rate_limit_error", code="user_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from error
         except ValueError as error:  # the engine refused the input
             raise bad_request(str(error), protocol.named_parameter(str(error))) from error
         samples = self.record.samples_per_prompt
@@ -132,8 +164,13 @@ class GenerationHandler(HTTPHandler):
         index_of = {request_id: i for i, request_id in enumerate(submission.request_ids)}
         timeout = self.server.settings.request_timeout
         deadline = None if timeout is None else self.record.start + timeout
+        next_check = 0.0
         while submission.unfinished:
-            self._check_client()
+            # Once per poll period, not per token: a stream's writes notice a gone client
+            # anyway, and every system call a token costs competes with the engine's step.
+            if time.perf_counter() >= next_check:
+                self._check_client()
+                next_check = time.perf_counter() + POLL_SECONDS
             wait = POLL_SECONDS if deadline is None else deadline - time.perf_counter()
             output = submission.next_output(timeout=min(max(wait, 0.0), POLL_SECONDS))
             if output is not None:

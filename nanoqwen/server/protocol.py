@@ -29,7 +29,7 @@ MAX_SAMPLES_PER_PROMPT = 128  # OpenAI's limit on n
 # Request fields passed to SamplingParams, which checks types and ranges and names the culprit.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "allowed_token_ids",
 )
 # Upper limits SamplingParams leaves open. Temperature takes OpenAI's range; a repetition
 # penalty beyond these bounds (SGLang's) divides float32 logits towards overflow.
@@ -125,6 +125,13 @@ class GenerationOptions:
     continuous_usage: bool = False  # and every chunk holds the usage so far (vLLM's)
     priority: int = 0  # lower is served sooner (vLLM's field), under priority scheduling
     max_tokens: tuple[str, int] | None = None  # (field, value) when the request set it
+    deadline: float | None = None  # seconds after arrival it should be done by
+    user: str | None = None  # OpenAI's `user`: who sent it (fair turns, per-user caps)
+
+    @property
+    def scheduling(self) -> dict[str, Any]:
+        """`LLMEngine.add_request`'s scheduling arguments for each of the sequences."""
+        return {"priority": self.priority, "deadline": self.deadline, "user": self.user}
 
 
 def parse_generation_options(
@@ -144,6 +151,9 @@ def parse_generation_options(
     )
     n = checked_field(body, "n", int, "an integer", 1)
     priority = checked_field(body, "priority", int, "an integer", 0)  # the engine checks the policy
+    # The engine checks that a deadline is positive and finite.
+    deadline = checked_field(body, "deadline", (int, float), "a number of seconds", None)
+    user = checked_field(body, "user", str, "a string", None)
     if not 1 <= n <= MAX_SAMPLES_PER_PROMPT:
         raise bad_request(f"n must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {n}", "n")
     max_tokens_field = next(
@@ -169,7 +179,8 @@ def parse_generation_options(
     # Compiled here, on the handler thread: the engine thread finds it in the cache.
     compile_stop_strings(tuple(params.stop))
     asked = None if max_tokens is None else (max_tokens_field, params.max_tokens)
-    return GenerationOptions(samples, stream, include_usage, continuous_usage, priority, asked)
+    return GenerationOptions(samples, stream, include_usage, continuous_usage, priority, asked,
+                             deadline, user)
 
 
 def parse_logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, Any] | None:
@@ -211,16 +222,17 @@ def within_limits(fields: dict[str, Any], vocab_size: int) -> dict[str, Any]:
 
 def named_parameter(message: str) -> str | None:
     """The request field an engine's `ValueError` is about: its messages begin with the
-    parameter's name (SamplingParams', and `add_request`'s about priority)."""
+    parameter's name (SamplingParams', and `add_request`'s about scheduling)."""
     first_word = message.split("=", 1)[0].split(" ", 1)[0]
-    named = (*SAMPLING_FIELDS, "max_tokens", "priority", "logit_bias", "logprobs")
+    named = (*SAMPLING_FIELDS, "max_tokens", "priority", "deadline", "user", "logit_bias",
+             "logprobs")
     return first_word if first_word in named else None
 
 
 def checked_field(
     container: dict[str, Any],
     name: str,
-    kind: type,
+    kind: type | tuple[type, ...],
     description: str,
     default: Any,
     param: str | None = None,

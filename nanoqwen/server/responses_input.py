@@ -45,7 +45,8 @@ INCLUDES = (LOGPROBS, "reasoning.encrypted_content")
 # Sampling settings passed on as the chat route takes them: OpenAI's, and vLLM's extras.
 SAMPLING = ("max_output_tokens", "temperature", "top_p", "stream", "top_k", "min_p", "seed",
             "stop", "stop_token_ids", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "ignore_eos", "logit_bias", "priority")
+            "frequency_penalty", "ignore_eos", "logit_bias", "priority", "deadline", "user",
+            "allowed_token_ids")
 
 
 @dataclass(frozen=True)

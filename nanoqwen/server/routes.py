@@ -14,13 +14,14 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 from urllib.parse import unquote
 
 from nanoqwen.metrics import CONTENT_TYPE
 from nanoqwen.sampling.params import PoolingParams
-from nanoqwen.sampling.structured import StructuredOutput
+from nanoqwen.sampling.structured import CompileBudget, StructuredOutput
 from nanoqwen.server import page, protocol, tokenizing, tokens
 from nanoqwen.server.fields import check_fields
 from nanoqwen.server.generation import Answer, GenerationHandler
@@ -40,7 +41,9 @@ from nanoqwen.server.responses_input import parse_request as parse_response_requ
 from nanoqwen.server.responses_output import ID_PREFIX as RESPONSE_ID_PREFIX
 from nanoqwen.server.responses_output import ResponsesReply
 from nanoqwen.server.structured import (
-    compile_structured_output,
+    AskedGrammar,
+    check_grammar_size,
+    compile_grammar,
     parse_structured_output,
 )
 from nanoqwen.server.tools import ToolOptions, parse_tools, tool_fields
@@ -127,16 +130,17 @@ class OpenAIHandler(GenerationHandler):
         tools = parse_tools(body)
         messages, template = self._conversation(body, tools)
         logprobs, prompt_logprobs = parse_chat_logprobs(body), parse_prompt_logprobs(body)
+        grammar = self._grammar(parse_structured_output(body), tools)
         options = protocol.parse_generation_options(
             body, engine.max_model_len, engine, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_output=self._structured_output(parse_structured_output(body), tools),
+            structured_output=grammar and grammar.spec,
         )
         echo = checked_field(body, "echo", bool, "a boolean", False)
         last = messages[-1]  # vLLM's echo: the reply starts with the assistant's last message
         echoed = last["content"] if echo and last["role"] == "assistant" else ""
         api = ChatAPI(engine.tokenizer, logprobs is not None, tools, echoed,
                       prompt_logprobs is not None)
-        self._chat(messages, template, options, self._reply(api, options))
+        self._chat(messages, template, options, self._reply(api, options), grammar)
 
     def create_response(self) -> None:
         """OpenAI's Responses API: a chat turn in other shapes (`responses_input`)."""
@@ -144,32 +148,35 @@ class OpenAIHandler(GenerationHandler):
         request = parse_response_request(body)
         tools = parse_tools(body, flat=True)
         messages, template = self._conversation(request.chat, tools)
+        grammar = self._grammar((request.text_format, "text.format"), tools)
         options = protocol.parse_generation_options(
             request.sampling, engine.max_model_len, engine, ("max_output_tokens",),
-            logprobs=request.logprobs,
-            structured_output=self._structured_output((request.text_format, "text.format"), tools),
+            logprobs=request.logprobs, structured_output=grammar and grammar.spec,
         )
         answer = ResponsesReply(self._name_request(RESPONSE_ID_PREFIX),
                                 self.server.settings.model_name, int(time.time()),
                                 self.record.usage, engine.tokenizer, request, tools)
-        self._chat(messages, template, options, answer, "input")
+        self._chat(messages, template, options, answer, grammar, "input")
 
     def completions(self) -> None:
         engine, body = self.server.engine, self._read_body("completions")
         prompts = tokenizing.parse_prompts(body)
         logprobs, echo = parse_completion_logprobs(body)
         prompt_logprobs = parse_prompt_logprobs(body)
+        grammar = self._grammar(parse_structured_output(body), None)
         options = protocol.parse_generation_options(
             body, protocol.COMPLETIONS_DEFAULT_MAX_TOKENS, engine, logprobs=logprobs,
             # echo with logprobs scores the prompt too, unless prompt_logprobs says how (vLLM).
             prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs,
-            structured_output=self._structured_output(parse_structured_output(body), None),
+            structured_output=grammar and grammar.spec,
         )
         api = CompletionsAPI(engine.tokenizer, logprobs is not None, echo,
                              prompt_logprobs is not None)
         reply = self._reply(api, options)
-        # Tokenizing comes last: it is the one slow step, and every check before it is cheap.
-        with self._reserve(len(prompts) * len(options.params)) as reservation:
+        # Compiling and tokenizing come last: they are the slow steps, and every check
+        # before them is cheap.
+        with self._reserve(len(prompts) * len(options.params)) as reservation, \
+                self._compiled(grammar):
             encoded = tokenizing.encode_prompts(engine, prompts, "prompt")
             tokenizing.check_context(encoded, options, engine.max_model_len)
             self._generate(reply, reservation, encoded, options)
@@ -182,7 +189,8 @@ class OpenAIHandler(GenerationHandler):
         with self._reserve(len(prompts)) as reservation:
             encoded = tokenizing.encode_prompts(engine, prompts, "input")
             sequences = [(prompt, PoolingParams()) for prompt in encoded]
-            with self._submitted(reservation, sequences) as submission:
+            user = checked_field(body, "user", str, "a string", None)
+            with self._submitted(reservation, sequences, {"user": user}) as submission:
                 finals = self._collect(submission)
         model_id = self.server.settings.model_name
         self._send_json(200, tokens.embeddings_response(finals, encoding, model_id, request_id))
@@ -225,10 +233,12 @@ class OpenAIHandler(GenerationHandler):
         return messages, tokenizing.parse_template_options(chat, messages, tools and tools.tools)
 
     def _chat(self, messages: list[dict[str, Any]], template: tokenizing.TemplateOptions,
-              options: GenerationOptions, answer: Answer, param: str = "messages") -> None:
-        """Render the conversation, tokenize it holding its queue slots, and answer it."""
+              options: GenerationOptions, answer: Answer, grammar: AskedGrammar | None,
+              param: str = "messages") -> None:
+        """Compile the grammar, render the conversation and tokenize it, holding the
+        request's queue slots, and answer it."""
         engine = self.server.engine
-        with self._reserve(len(options.params)) as reservation:
+        with self._reserve(len(options.params)) as reservation, self._compiled(grammar):
             prompt = tokenizing.render_chat(engine, messages, template, param)
             prompts = tokenizing.encode_prompts(engine, [prompt], param)
             tokenizing.check_context(prompts, options, engine.max_model_len)
@@ -240,11 +250,11 @@ class OpenAIHandler(GenerationHandler):
                      int(time.time()), self.record.usage, options.include_usage,
                      options.continuous_usage)
 
-    def _structured_output(
+    def _grammar(
         self, asked: tuple[StructuredOutput | None, str | None], tools: ToolOptions | None
-    ) -> StructuredOutput | None:
-        """The grammar the request asks for in its field `asked[1]` (or its tool_choice
-        forces), compiled now; a 400 naming the field, or the tool, if it can't be."""
+    ) -> AskedGrammar | None:
+        """The grammar the request asks for in its field `asked[1]`, or that its
+        tool_choice forces, checked for size (a 400 naming the limit)."""
         spec, param = asked
         forced = tools.grammar() if tools is not None else None
         if forced is not None:
@@ -252,14 +262,22 @@ class OpenAIHandler(GenerationHandler):
                 raise bad_request(f"tool_choice {tools.choice} cannot be combined with {param}",
                                   "tool_choice")
             spec, param = forced, "tools"
-        if spec is not None:
-            try:
-                compile_structured_output(self.server.engine, spec, param)
-            except APIError as error:
-                compile = self.server.engine.grammars.compile
-                named = tools.schema_error(compile) if forced is not None else None
-                raise (named or error) from None
-        return spec
+        if spec is None:
+            return None
+        check_grammar_size(spec, param)
+        return AskedGrammar(spec, param, tools)
+
+    @contextmanager
+    def _compiled(self, grammar: AskedGrammar | None) -> Iterator[Any]:
+        """The grammar compiled within the server's budget (entered once the request holds
+        its queue slots), and held until the block ends: the engine finds it by its spec
+        when the request is added. Given up if the client leaves or the server stops."""
+        if grammar is None:
+            yield None
+            return
+        settings = self.server.settings
+        budget = CompileBudget(settings.grammar_compile_timeout, settings.grammar_compile_memory)
+        yield compile_grammar(self.server.engine, grammar, budget, self._still_wanted)
 
     ROUTES: ClassVar[dict[str, dict[str, Callable[[OpenAIHandler], None]]]] = {
         **dict.fromkeys(page.PAGE_FILES, {"GET": page_file}),  # "/" and "/static/..."

@@ -12,6 +12,10 @@ READ_TIMEOUT_SECONDS = 10.0
 # A client that takes nothing from a full send buffer this long is gone: its request is
 # aborted. TCP moves data within a second on any working link, even a slow one.
 WRITE_TIMEOUT_SECONDS = 5.0
+# What compiling one request's grammar may cost (`sampling/grammar_sandbox.py`). Schemas
+# people write compile in well under a second; the hostile ones, in minutes and gigabytes.
+GRAMMAR_COMPILE_SECONDS = 10.0
+GRAMMAR_COMPILE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -25,17 +29,20 @@ class ServerSettings:
     read_timeout: float = READ_TIMEOUT_SECONDS  # to receive a request's headers and body
     write_timeout: float = WRITE_TIMEOUT_SECONDS  # for a client to make room for more answer
     allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own; "*": any
+    grammar_compile_timeout: float = GRAMMAR_COMPILE_SECONDS  # wall-clock, per grammar
+    grammar_compile_memory: int = GRAMMAR_COMPILE_BYTES  # bytes, per grammar
 
     def __post_init__(self) -> None:
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        for name in ("request_timeout", "read_timeout", "write_timeout"):
+        for name in ("request_timeout", "read_timeout", "write_timeout",
+                     "grammar_compile_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("max_body_bytes", "max_connections"):
+        for name in ("max_body_bytes", "max_connections", "grammar_compile_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for origin in self.allowed_origins:

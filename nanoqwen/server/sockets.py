@@ -56,12 +56,13 @@ class ProgressWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        self.connection.settimeout(self.timeout)
+        # Reads set their own timeout; setting one is a system call, saved on every token.
+        if self.connection.gettimeout() != self.timeout:
+            self.connection.settimeout(self.timeout)
         view, sent = memoryview(data).cast("B"), 0
         while sent < len(view):
             sent += self.connection.send(view[sent:])
         return sent
-
 
 
 @contextmanager

@@ -43,6 +43,7 @@ TOOL_CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), r
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a function that takes no arguments
+MAX_TOOLS = 128  # OpenAI's limit; each is rendered into the prompt, and into a forcing grammar
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ def parse_tools(body: dict[str, Any], flat: bool = False) -> ToolOptions | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise bad_request("tools must be a non-empty list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools lists {len(tools)} functions; this server takes at most "
+                          f"{MAX_TOOLS}", "tools")
     params = tuple(f"tools[{i}]" if flat else f"tools[{i}].function" for i in range(len(tools)))
     functions = [checked_function(_function_of(tool, param, flat), param)
                  for tool, param in zip(tools, params)]

@@ -11,9 +11,15 @@ Libraries do the reading: transformers turns the metadata into a config and a to
 with its chat template (`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=name)`),
 and the `gguf` package maps tensor names and dequantizes every type to float32. What is
 left to us is small: naming each tensor as transformers does, so the loader can fuse it
-like any checkpoint, and two facts transformers does not read from a Qwen file (head_dim,
-and rope scaling). llama.cpp permutes the q/k rows of Llama checkpoints for its rotary
-kernel, but writes Qwen2/Qwen3 unpermuted, so no rows need undoing here.
+like any checkpoint, and the facts transformers does not read from a Qwen file (head_dim,
+rope scaling, and a mixture of experts' widths and routing). llama.cpp permutes the q/k
+rows of Llama checkpoints for its rotary kernel, but writes Qwen2/Qwen3 unpermuted, so no
+rows need undoing here.
+
+A Qwen2-MoE or Qwen3-MoE file (`qwen2moe`, `qwen3moe`) keeps each layer's experts stacked,
+one tensor per part (`blk.N.ffn_gate_exps.weight` `[E, rows, cols]`, the router in
+`ffn_gate_inp`, the shared expert in `ffn_*_shexp`); the loader cuts the stacks per expert
+(`model/moe.py`). The hybrid models' files (`qwen3next`, `qwen35`, `qwen35moe`) are refused.
 """
 
 from __future__ import annotations
@@ -47,7 +53,16 @@ FOUR_BIT_TYPES = {
 ARCHITECTURES = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, "Qwen2ForCausalLM"),
     "qwen3": (gguf.MODEL_ARCH.QWEN3, "Qwen3ForCausalLM"),
+    "qwen2moe": (gguf.MODEL_ARCH.QWEN2MOE, "Qwen2MoeForCausalLM"),
+    "qwen3moe": (gguf.MODEL_ARCH.QWEN3MOE, "Qwen3MoeForCausalLM"),
 }
+# The hybrid decoders' files, which nanoqwen does not read: llama.cpp's converter reorders
+# and transforms their linear-attention tensors, and transformers reads neither their
+# config nor their tokenizer from a GGUF file.
+HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+# llama.cpp renormalises a Qwen3-MoE token's k routing weights to sum to 1, and a
+# Qwen2-MoE's not, unless the file says otherwise (`expert_weights_norm`).
+RENORMALISES_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 
 
 def from_pretrained_arguments(path: str) -> tuple[str, dict[str, str]]:
@@ -71,6 +86,8 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
         message = f"{path}: could not read the model config from its metadata: {error}"
         raise ValueError(message) from error
     hf.architectures = [ARCHITECTURES[architecture][1]]
+    if architecture in RENORMALISES_TOP_K:
+        read_expert_sizes(hf, reader, architecture)
     # transformers leaves a Qwen3 file at Qwen3Config's default head_dim (128); the file says.
     key_length = metadata(reader, f"{architecture}.attention.key_length")
     if key_length is not None:
@@ -83,6 +100,17 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
         if original is not None:
             hf.rope_parameters["original_max_position_embeddings"] = original
     return hf, linear_weight_bits(reader)
+
+
+def read_expert_sizes(hf: PretrainedConfig, reader: gguf.GGUFReader, architecture: str) -> None:
+    """What transformers leaves at its config's defaults in a MoE file: each expert's width,
+    the shared expert's (Qwen2-MoE) and whether the routing weights are renormalised."""
+    hf.moe_intermediate_size = metadata(reader, f"{architecture}.expert_feed_forward_length")
+    shared = metadata(reader, f"{architecture}.expert_shared_feed_forward_length")
+    if architecture == "qwen2moe":
+        hf.shared_expert_intermediate_size = shared or 0
+    renormalise = metadata(reader, f"{architecture}.expert_weights_norm")
+    hf.norm_topk_prob = RENORMALISES_TOP_K[architecture] if renormalise is None else renormalise
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -113,10 +141,11 @@ def iter_gguf_tensors(
 def iter_gguf_four_bit_codes(
     path: str, checkpoint_names: Iterable[str], num_layers: int
 ) -> Iterator[tuple[str, FourBitCodes]]:
-    """Yield (name, codes) for every tensor stored in a 4-bit type (Q4_0, Q4_1, Q4_K),
-    named as `iter_gguf_tensors` names them: the file's own codes and group scales."""
+    """Yield (name, codes) for every matrix stored in a 4-bit type (Q4_0, Q4_1, Q4_K),
+    named as `iter_gguf_tensors` names them: the file's own codes and group scales. The
+    experts' stacks (3-D) are left out: they keep their dequantized weights."""
     for name, tensor in named_tensors(path, checkpoint_names, num_layers):
-        if tensor.tensor_type in FOUR_BIT_TYPES:
+        if tensor.tensor_type in FOUR_BIT_TYPES and len(tensor.shape) == 2:
             yield name, four_bit_codes(tensor)
 
 
@@ -230,6 +259,11 @@ def open_gguf(path: str) -> gguf.GGUFReader:
 
 def gguf_architecture(reader: gguf.GGUFReader, path: str) -> str:
     architecture = metadata(reader, "general.architecture")
+    if architecture in HYBRID_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported: nanoqwen runs the "
+            "hybrid (linear-attention) models from their Hugging Face checkpoints only"
+        )
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported; nanoqwen runs "
@@ -247,7 +281,7 @@ def linear_weight_bits(reader: gguf.GGUFReader) -> int:
     """Nominal bits per weight of the type that holds most of the decoder's matrices."""
     elements: Counter[gguf.GGMLQuantizationType] = Counter()
     for tensor in reader.tensors:
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+        if tensor.name.startswith("blk.") and len(tensor.shape) > 1:  # experts: 3-D
             elements[tensor.tensor_type] += int(tensor.n_elements)
     if not elements:
         return 32

@@ -87,7 +87,7 @@ def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
     """Keep the decoder's linear layers quantized, in place: as `Int8Linear`s for int8 on a
     CPU (the lm_head too), else their weights as torchao's quantized tensors."""
     linears = [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
-    weight = linears[0].weight
+    weight = model.model.embed_tokens.weight  # every linear may hold 4-bit codes already
     if scheme.mode == "int8" and weight.device.type == "cpu":
         swap_modules(model, lambda module: isinstance(module, nn.Linear), Int8Linear)
         return
