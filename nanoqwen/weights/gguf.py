@@ -208,7 +208,8 @@ def half(pairs: np.ndarray) -> np.ndarray:
 
 def dequantize(tensor: gguf.ReaderTensor, path: str) -> torch.Tensor:
     if tensor.tensor_type in FOUR_BIT_TYPES:  # torch's vectorized arithmetic, not numpy's per row
-        return four_bit_codes(tensor).weight()
+        # An MoE's expert stack is 3-d: its rows are the experts', one after another.
+        return four_bit_codes(tensor).weight().view(*tensor.data.shape[:-1], -1)
     try:
         values = gguf.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as error:
