@@ -591,7 +591,7 @@ def test_agreement_counts_tokens_before_each_first_difference() -> None:
     def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
         return bench.EngineRun(
             [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, 0, None, per_step={}, weight_bytes=0, read_bytes_per_token=0,
-            outputs=outputs,
+            outputs=outputs, texts={},
         )
 
     reference = run({(0, 0): [1, 2, 3, 4], (1, 0): [5, 6], (1, 1): [7, 8]})
