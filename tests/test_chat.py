@@ -587,7 +587,7 @@ def test_ctrl_c_stops_the_reply_and_frees_its_pages(qwen3_dir: str) -> None:
 
     stats = engine_stats(child)
     assert stats["pages_used"] == "0" and stats["running"] == "0"
-    assert stats["finished"] == "stop 0, length 0, abort 1"
+    assert stats["finished"] == "stop 0, length 0, abort 1, error 0"
 
     # The prompt still works, and the interrupted turn is in the history and in the cache.
     _, cached_2, prompt_2 = interrupt_turn(child, "and then?")
