@@ -90,10 +90,11 @@ from huggingface_hub.utils import disable_progress_bars
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
@@ -104,10 +105,12 @@ from nanoqwen.cli import (
     SPECULATIVE_OPTION_NAMES,
     config_option,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
 )
+from nanoqwen.config import resolve_device
 from nanoqwen.model.config import DENSE_ARCHITECTURES, ModelConfig
 from nanoqwen.model.qwen import QwenForCausalLM
 from nanoqwen.speculative.proposers import SpeculationStats
@@ -448,7 +451,10 @@ def run_engine(
     engine.reset_prefix_cache()  # a previous round's prompts must not be cache hits
     timer.reset()
     before = engine.stats()
-    task = progress.add_task(description, total=sum(len(s) for s in sessions), tok_s="")
+    num_requests = sum(len(session) for session in sessions)
+    output_tokens = sum(turn.output_len for session in sessions for turn in session)
+    task = add_progress_task(progress, description, num_requests, output_tokens)
+    done = 0
     driver = SessionDriver(engine, sessions, temperature, max_concurrency)
     steps = generated = request_steps = 0
     per_step: dict[str, list[float]] = {name: [] for name in PER_STEP_FIGURES}
@@ -469,8 +475,9 @@ def run_engine(
             tokens += len(output.delta_token_ids)
             request_steps += bool(output.delta_token_ids)
         generated += tokens
-        finished = sum(output.finished for output in outputs)
-        progress.update(task, advance=finished, tok_s=tok_s_so_far(generated, now - start))
+        done += sum(output.finished for output in outputs)
+        progress.update(task, completed=generated, requests=f"{done}/{num_requests}",
+                        tok_s=tok_s_so_far(generated, now - start))
         # The KV group alone: all of stats() reads the process's memory too, inside the timing.
         pages_used = kv_cache_group(engine.allocator, engine.runner.kv_cache.nbytes)["pages_used"]
         step_figures = (now - step_start, running, timer.scheduled_tokens - scheduled_before,
@@ -724,12 +731,13 @@ def run_baseline(
     description: str,
 ) -> Metrics:
     """The same requests through transformers (`bench_baseline.py`), with progress."""
-    task = progress.add_task(description, total=len(requests), tok_s="")
     output_tokens_by_request = [output_len for _, output_len in requests]
+    task = add_progress_task(progress, description, len(requests), sum(output_tokens_by_request))
 
     def on_batch(done: int, seconds: float) -> None:
         tokens = sum(output_tokens_by_request[:done])
-        progress.update(task, completed=done, tok_s=tok_s_so_far(tokens, seconds))
+        progress.update(task, completed=tokens, requests=f"{done}/{len(requests)}",
+                        tok_s=tok_s_so_far(tokens, seconds))
 
     run = run_transformers(
         settings["model_dir"], settings["dtype"], settings["device"], settings["threads"],
@@ -828,14 +836,16 @@ class LoadBench:
         requests = [(session[0].new_token_ids, session[0].output_len)
                     for session in self.bench.sessions]
         arrivals = arrival_times(len(requests), rate, self.load.seed)
-        task = self.bench.progress.add_task(description, total=len(requests), tok_s="")
-        start, tokens = time.perf_counter(), 0
+        total_output = sum(output_len for _, output_len in requests)
+        task = add_progress_task(self.bench.progress, description, len(requests), total_output)
+        start, tokens, done = time.perf_counter(), 0, 0
 
         def on_done(record: ServedRequest) -> None:
-            nonlocal tokens
-            tokens += record.output_tokens
+            nonlocal tokens, done
+            tokens, done = tokens + record.output_tokens, done + 1
             rate_so_far = tok_s_so_far(tokens, time.perf_counter() - start)
-            self.bench.progress.update(task, advance=1, tok_s=rate_so_far)
+            self.bench.progress.update(task, completed=tokens, requests=f"{done}/{len(requests)}",
+                                       tok_s=rate_so_far)
 
         records, wall = drive(endpoint, requests, arrivals, self.load.max_concurrency, on_done)
         figures = summarize_served(records, wall, self.load.objectives)
@@ -920,7 +930,7 @@ def load_engine(
     try:
         engine = LLMEngine(model_dir, **options)
     except ValueError as error:
-        raise click.UsageError(str(error)) from None
+        raise click.UsageError(in_flags(str(error))) from None
     recorder = FloorRecorder() if floor else None
     timer = PhaseTimer(engine.device)
     if recorder is not None:
@@ -1085,17 +1095,48 @@ def engine_settings(engine: LLMEngine, threads: int) -> Metrics:
     }
 
 
+# The workload's sizes where the command line leaves them out: on a GPU nano-vllm's
+# published benchmark; on a CPU, where that one runs for hours, one that ends in minutes
+# (about 1,300 output tokens of 16 requests).
+DEFAULT_SIZES = {
+    "cuda": {"num_seqs": 256, "min_input": 100, "max_input": 1024, "min_output": 100,
+             "max_output": 1024},
+    "cpu": {"num_seqs": 16, "min_input": 32, "max_input": 256, "min_output": 32,
+            "max_output": 128},
+}
+
+
+def size_help(name: str) -> str:
+    return f"Default: {DEFAULT_SIZES['cuda'][name]} on a GPU, {DEFAULT_SIZES['cpu'][name]} on a CPU."
+
+
+def workload_sizes(given: dict[str, int | None], device: str | None) -> dict[str, int]:
+    """The sizes given, the device's defaults for the rest."""
+    defaults = DEFAULT_SIZES[resolve_device(device).type]
+    return {name: defaults[name] if value is None else value for name, value in given.items()}
+
+
 def make_progress(console: Console) -> Progress:
-    """Per round and engine: requests done of all, and output tokens per second so far."""
+    """Per round and engine: output tokens done of all (the bar, and the time left at the
+    rate so far, once tokens come), requests done, and output tokens per second so far."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("requests"),
+        TextColumn("{task.fields[requests]} requests"),
         TextColumn("{task.fields[tok_s]}"),
         TimeElapsedColumn(),
+        TextColumn("· about"),
+        TimeRemainingColumn(),
+        TextColumn("left"),
         console=console,
     )
+
+
+def add_progress_task(progress: Progress, description: str, num_requests: int,
+                      output_tokens: int) -> TaskID:
+    """A task counting output tokens, which come at a steadier pace than finished requests."""
+    return progress.add_task(description, total=output_tokens, requests=f"0/{num_requests}",
+                             tok_s="")
 
 
 def assemble_result(
@@ -1151,13 +1192,16 @@ def assemble_result(
     metavar="PRESET_OR_CONFIG",
     help=f"Random weights of this shape instead: a preset ({', '.join(PRESETS)}) or a config.json.",
 )
-@click.option("--num-seqs", default=256, help="Requests in total (all turns of all conversations).")
-@click.option(
-    "--min-input", default=100, help="Shortest prompt (shared-prefix: the prefix length)."
-)
-@click.option("--max-input", default=1024, help="Longest prompt (multi-turn: new tokens per turn).")
-@click.option("--min-output", default=100, help="Shortest output.")
-@click.option("--max-output", default=1024, help="Longest output.")
+@click.option("--num-seqs", type=click.IntRange(min=1), default=None,
+              help=f"Requests in total (all turns of all conversations). {size_help('num_seqs')}")
+@click.option("--min-input", type=click.IntRange(min=1), default=None,
+              help=f"Shortest prompt (shared-prefix: the prefix length). {size_help('min_input')}")
+@click.option("--max-input", type=click.IntRange(min=1), default=None,
+              help=f"Longest prompt (multi-turn: new tokens per turn). {size_help('max_input')}")
+@click.option("--min-output", type=click.IntRange(min=1), default=None,
+              help=f"Shortest output. {size_help('min_output')}")
+@click.option("--max-output", type=click.IntRange(min=1), default=None,
+              help=f"Longest output. {size_help('max_output')}")
 @click.option("--seed", default=0, help="Same seed, same prompts and lengths.")
 @click.option("--scenario", type=click.Choice(SCENARIOS), default="random")
 @click.option("--turns", default=4, help="Turns per conversation (multi-turn).")
@@ -1271,11 +1315,11 @@ def assemble_result(
 def main(
     model: str | None,
     random_weights: str | None,
-    num_seqs: int,
-    min_input: int,
-    max_input: int,
-    min_output: int,
-    max_output: int,
+    num_seqs: int | None,
+    min_input: int | None,
+    max_input: int | None,
+    min_output: int | None,
+    max_output: int | None,
     seed: int,
     scenario: str,
     turns: int,
@@ -1299,9 +1343,10 @@ def main(
 ) -> None:
     """Benchmark nanoqwen on a fixed synthetic workload, optionally against transformers."""
     quiet_library_noise()
-    workload = Workload(
-        scenario, num_seqs, min_input, max_input, min_output, max_output, turns, seed, temperature
-    )
+    given = {"num_seqs": num_seqs, "min_input": min_input, "max_input": max_input,
+             "min_output": min_output, "max_output": max_output}
+    sizes = workload_sizes(given, engine_option_values["device"])
+    workload = Workload(scenario, **sizes, turns=turns, seed=seed, temperature=temperature)
     check_workload(workload)
     load = make_load(request_rates, max_concurrency, goodput_objectives, seed)
     check_load(load, workload, serve, endpoint, compare, decode_batch, floor, plot_path)
@@ -1391,7 +1436,7 @@ def main(
                 run, figures = bench.run(
                     {**options, "scheduling_policy": policy},
                     f"nanoqwen{label}, round {index + 1}",
-                    (decode_batch, min_input) if timed_decode else None,
+                    (decode_batch, workload.min_input) if timed_decode else None,
                 )
                 runs[policy].append(run)
                 decode = figures or decode

@@ -68,6 +68,7 @@ from nanoqwen.cli import (
     config_option,
     describe_engine,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
@@ -92,11 +93,12 @@ THINK_START, THINK_END = "<think>", "</think>"
 PROMPT = "[bold cyan]you ›[/] "
 CLEAR_SYSTEM = "--clear"
 COMMANDS = ("/reset", "/system", "/stats", "/help", "/exit", "/quit")
-HELP = (
-    "Commands: /reset (new conversation) · /system (show the system prompt) · "
-    f"/system TEXT, /system {CLEAR_SYSTEM} (new conversation with that system prompt, or none) · "
-    "/stats · /help · /exit · //text sends /text"
-)
+SEPARATOR = " · "
+HELP = [
+    "Commands: /reset (new conversation)", "/system (show the system prompt)",
+    f"/system TEXT, /system {CLEAR_SYSTEM} (new conversation with that system prompt, or none)",
+    "/stats", "/help", "/exit", "//text sends /text", "Ctrl-C stops a reply",
+]
 HISTORY_LENGTH = 1000  # lines kept between runs
 # chat's longest conversation on a CPU unless --max-model-len says otherwise: a long chat
 # fits, and the KV cache stays a fraction of what the model's full context would take.
@@ -341,7 +343,7 @@ class ChatSession:
         elif command == "/stats":
             self.console.print(stats_table(self.llm.stats()))
         else:
-            self.console.print(HELP, markup=False)
+            self.console.print(fit_lines(HELP, self.console.width), markup=False)
         return True
 
     def _system_command(self, argument: str) -> None:
@@ -503,7 +505,7 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
         try:
             return LLM(model_dir, **one_conversation(model_dir, options))
         except (ValueError, OSError) as error:
-            raise click.ClickException(str(error).splitlines()[0]) from None
+            raise click.ClickException(in_flags(str(error).splitlines()[0])) from None
 
 
 def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -532,14 +534,30 @@ def sampling_params(llm: LLM, options: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**given).with_defaults(llm.engine.sampling_defaults)
 
 
-def banner(llm: LLM, model: str, params: SamplingParams, load_seconds: float) -> str:
-    """What runs where, how much conversation the KV cache holds, and how replies sample."""
+def banner(
+    llm: LLM, model: str, params: SamplingParams, load_seconds: float, width: int
+) -> str:
+    """What runs where, how much conversation the KV cache holds, and how replies sample,
+    in lines of at most `width` cells."""
+    engine = describe_engine(llm.engine).split(SEPARATOR)
+    fields = [f"{model} on {engine[0]}", *engine[1:], f"loaded in {load_seconds:.1f} s"]
+    text = escape(fit_lines(fields, width)).replace(escape(model), f"[bold]{escape(model)}[/]", 1)
     settings = ", ".join(f"{name} {getattr(params, name)}" for name in DEFAULTABLE_SETTINGS)
-    return (
-        f"[bold]{escape(model)}[/] on {escape(describe_engine(llm.engine))} · "
-        f"loaded in {load_seconds:.1f} s\n"
-        f"[dim]sampling: {escape(settings)}[/]"
-    )
+    return f"{text}\n[dim]sampling: {escape(settings)}[/]"
+
+
+def fit_lines(fields: list[str], width: int) -> str:
+    """`fields` joined by " · " in lines of at most `width` cells, broken between fields
+    only (a field wider than a line gets one of its own), so no line starts or ends with
+    the separator."""
+    lines = [fields[0]]
+    for field in fields[1:]:
+        joined = lines[-1] + SEPARATOR + field
+        if cell_len(joined) <= width:
+            lines[-1] = joined
+        else:
+            lines.append(field)
+    return "\n".join(lines)
 
 
 SAMPLING_HELP = (
@@ -592,8 +610,8 @@ def main(model: str, system: str | None, no_think: bool, **options: Any) -> None
     except ValueError as error:  # a bad value in generation_config.json
         raise click.ClickException(str(error)) from None
     if interactive:
-        console.print(banner(llm, model, params, time.perf_counter() - started))
-        console.print(f"{HELP} · Ctrl-C stops a reply", style="dim", markup=False)
+        console.print(banner(llm, model, params, time.perf_counter() - started, console.width))
+        console.print(fit_lines(HELP, console.width), style="dim", markup=False)
     session = ChatSession(llm, params, False if no_think else None, system, console, interactive)
     with line_history(console) if interactive else nullcontext():
         for line in read_lines(console, interactive):

@@ -22,6 +22,7 @@ from nanoqwen.cli import (
     config_option,
     describe_engine,
     engine_options,
+    in_flags,
     model_option,
     pop_engine_options,
     quiet_library_noise,
@@ -82,7 +83,8 @@ logger = logging.getLogger("nanoqwen.serve")
 )
 @click.option(
     "--served-model-name", default=None,
-    help="Model id in the API. Default: the checkpoint's directory name, or the hub id.",
+    help="Model id in the API. Default: the checkpoint's directory name, a GGUF file's "
+    "name without .gguf, or the hub id.",
 )
 @engine_options
 def main(
@@ -95,7 +97,6 @@ def main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_library_noise()
     allow_file_descriptors(max_connections)
-    logger.info("loading %s", model)
     started = time.perf_counter()
     try:
         server = make_server(
@@ -107,7 +108,7 @@ def main(
             **pop_engine_options(options),
         )
     except ValueError as error:  # a setting the engine refuses, or a port in use
-        raise click.ClickException(str(error)) from None
+        raise click.ClickException(in_flags(str(error))) from None
     logger.info(
         "loaded in %.1f s: %s", time.perf_counter() - started, describe_engine(server.engine)
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +43,7 @@ from nanoqwen.config import (
 )
 from nanoqwen.engine import LLMEngine
 from nanoqwen.runner.startup import CPU_KV_CACHE_FRACTION
+from nanoqwen.weights.loader import runtime_quantization, weight_form
 from nanoqwen.weights.quantization import torchao_import_noise
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -171,16 +173,52 @@ def pop_engine_options(options: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
+def in_flags(message: str) -> str:
+    """An engine error as a command's: the keywords it names (`max_model_len=5000`,
+    `lower max_num_seqs`) as the current command's flags (`--max-model-len 5000`, `lower
+    --max-num-seqs`)."""
+    command = click.get_current_context().command
+    for param in command.params:
+        if isinstance(param, click.Option) and param.name in ENGINE_OPTION_NAMES:
+            keyword = "" if "_" in param.name else "(?==)"  # a bare `device` may be English
+            message = re.sub(rf"(?<![\w-]){param.name}\b{keyword}", param.opts[0], message)
+    return re.sub(r"(--[\w-]+)=", r"\1 ", message)
+
+
 def describe_engine(engine: LLMEngine) -> str:
-    """Where the model runs and how much its KV cache holds, in one line: chat's banner and
-    serve's start-up log."""
-    config, kv = engine.config, engine.stats()["kv_cache"]
+    """Where the model runs, how its weights are kept, how much its KV cache holds and, on
+    a CPU, where the process's memory goes, in one line: chat's banner and serve's log."""
+    config, stats = engine.config, engine.stats()
+    kv, memory = stats["kv_cache"], stats["memory"]
     dtype = str(config.dtype).removeprefix("torch.")
     ranks = f", {config.tensor_parallel_size} ranks" if config.tensor_parallel_size > 1 else ""
-    return (
-        f"{engine.device} ({dtype}{ranks}) · context {engine.max_model_len:,} tokens · "
-        f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})"
-    )
+    fields = [
+        f"{engine.device} ({dtype}{ranks})",
+        f"weights {decimal(memory['weight_bytes'])} ({weights_kept_as(engine)})",
+        f"context {engine.max_model_len:,} tokens",
+        f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})",
+    ]
+    # One process holds it all only on a CPU, unsplit (ranks are processes of their own).
+    if engine.device.type == "cpu" and config.tensor_parallel_size == 1:
+        rest = memory["resident_bytes"] - memory["weight_bytes"] - kv["bytes"]
+        fields.append(
+            f"in RAM {decimal(memory['resident_bytes'])} ({decimal(rest)} besides weights and "
+            "KV cache)"
+        )
+    return " · ".join(fields)
+
+
+def weights_kept_as(engine: LLMEngine) -> str:
+    """The form the loader gave the linear weights (`loader.weight_form`), as users call it."""
+    config, checkpoint = engine.config, engine.checkpoint
+    scheme = runtime_quantization(config.quantization, checkpoint, engine.device)
+    form = weight_form(scheme, checkpoint, config.dtype, engine.device)
+    if form == "gguf_codes":
+        return "the file's 4-bit codes, int8 for its other types"
+    if form in ("int8", "int4"):
+        source = checkpoint.format_name
+        return f"{form} codes" + (f" from {source}" if source else "")
+    return str(config.dtype).removeprefix("torch.")
 
 
 def quiet_library_noise() -> None:

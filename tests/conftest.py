@@ -14,9 +14,21 @@ transformers, the prefix cache, preemption) run a second time in CI without the 
     NANOQWEN_TEST_KERNELS=native pytest -m native_kernels --no-cov
 
 and hold a bfloat16 engine to the bfloat16-aware oracle (`oracle.assert_greedy_matches`).
+
+Every engine a test builds names its device (`device="cpu"`, or "cuda" in a test marked
+`cuda`; `--device` for the commands it starts): left to choose, an engine takes the GPU
+where there is one, and a test written for the CPU (float32 against transformers, ranks
+as CPU processes) fails there. `tests_name_their_device` refuses an engine that does not
+say, on any machine, so a test that forgets fails here too, not only on a GPU. Code written
+for readers names no device; a test that runs it asks for `a_machine_without_a_gpu`.
+
+Ctrl-C raises `KeyboardInterrupt` in the tests and in the processes they start, as from a
+terminal, whatever the run inherited: a job started in the background (`pytest … &`, as
+many CI runners start one) comes with SIGINT ignored, which every child would inherit.
 """
 
 import os
+import signal
 
 if os.environ.get("NANOQWEN_TEST_KERNELS") != "native":
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
@@ -26,8 +38,10 @@ from pathlib import Path  # noqa: E402
 
 import openai  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from server_helpers import client_for, running_server  # noqa: E402
 
+from nanoqwen import config  # noqa: E402
 from nanoqwen.server import OpenAIServer  # noqa: E402
 from tools.checkpoints import (  # noqa: E402
     build_qwen2,
@@ -38,6 +52,45 @@ from tools.checkpoints import (  # noqa: E402
     build_qwen3_moe,
     build_qwen3_next,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own SIGINT handler for the run (a handler, unlike an ignored signal, is
+    not inherited: the processes the tests start begin with the default and install it
+    too); what was inherited comes back at the end."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if inherited is not None:  # None: set outside Python, and so left as it is now
+        signal.signal(signal.SIGINT, inherited)
+
+
+CHOOSE_DEVICE = config.resolve_device  # the engine's own choice, before the suite refuses it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_name_their_device() -> Iterator[None]:
+    """An engine built with no device is refused (see the module docstring)."""
+
+    def named(device: object) -> torch.device:
+        if device is None:
+            raise ValueError(
+                "a test names its engine's device: device='cpu', or 'cuda' in a test marked cuda"
+            )
+        return CHOOSE_DEVICE(device)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config, "resolve_device", named)
+        yield
+
+
+@pytest.fixture
+def a_machine_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine left to choose takes the CPU, as on a reader's machine without a GPU: for
+    code written for readers (the learning path's blocks), which names no device."""
+    monkeypatch.setattr(
+        config, "resolve_device", lambda device: CHOOSE_DEVICE("cpu" if device is None else device)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def build_wide(architecture: str, directory: Path) -> str:
 
 def quantized_llm(path: str, quantization: str | None, **options) -> LLM:
     """`LLM(path, quantization=...)` with a KV pool just big enough for a few short requests."""
-    return LLM(path, quantization=quantization, num_pages=64, **options)
+    return LLM(path, quantization=quantization, num_pages=64, **{"device": "cpu", **options})
 
 
 @torch.no_grad()

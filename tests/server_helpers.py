@@ -21,7 +21,9 @@ from nanoqwen.server import OpenAIServer, make_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # float32 everywhere, so greedy text does not hinge on rounding that varies with batch size.
-ENGINE_OPTIONS: dict[str, Any] = dict(dtype="float32", max_num_seqs=8, page_size=8, num_pages=256)
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_num_seqs=8, page_size=8, num_pages=256
+)
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "the quick brown fox"},
@@ -57,9 +59,9 @@ def running_server(model: str, **options: Any) -> Iterator[OpenAIServer]:
 
 
 def serve_process(*args: str) -> tuple[subprocess.Popen, int, list[str]]:
-    """serve.py in a subprocess, once it serves: (the process, its port, its log so far).
-    The caller stops it; its log goes on in `process.stderr`."""
-    process = subprocess.Popen([sys.executable, "serve.py", *args], cwd=REPO_ROOT,
+    """serve.py on the CPU in a subprocess, once it serves: (the process, its port, its log
+    so far). The caller stops it; its log goes on in `process.stderr`."""
+    process = subprocess.Popen([sys.executable, "serve.py", "--device", "cpu", *args], cwd=REPO_ROOT,
                                stderr=subprocess.PIPE, text=True)
     log: list[str] = []
     while line := process.stderr.readline():

@@ -177,12 +177,16 @@ def test_few_modules_sit_directly_in_the_package() -> None:
 
 
 # Run in a fresh interpreter: what one plain request imports and runs, measured with
-# `sys.setprofile` (every call of a nanoqwen function, by file and qualified name).
+# `sys.setprofile` (every call of a nanoqwen function, by file and qualified name). Every
+# step reads how busy the cores are, as a step does twice a second on a running engine:
+# the count is the same on a quiet machine and a busy one.
 PLAIN_REQUEST = textwrap.dedent("""
     import json, os, sys
     import nanoqwen.engine
     after_import = sorted(sys.modules)
     from nanoqwen import LLM, SamplingParams
+    from nanoqwen.runner import cpu_threads
+    cpu_threads.INTERVAL_S = 0.0
     package = os.path.dirname(nanoqwen.__file__)
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", attention_backend="reference")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -25,6 +25,7 @@ import click
 import pytest
 import torch
 import transformers
+from rich.console import Console
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.text.tokenizer import Tokenizer
@@ -71,8 +72,9 @@ class BenchRun(subprocess.CompletedProcess):
     stdout_json: str
 
 
-def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
-    """bench.py in a subprocess; its JSON result is read into `stdout_json`."""
+def run_bench_process(tmp_path: Path, *args: str, **env: str) -> BenchRun:
+    """bench.py in a subprocess, with `env` added to its environment; its JSON result is
+    read into `stdout_json`."""
     out = tmp_path / "result.json"
     completed = subprocess.run(
         [sys.executable, str(BENCH), *args, "--device", "cpu", "--json", str(out)],
@@ -80,7 +82,7 @@ def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
         text=True,
         timeout=300,
         # Random-weights checkpoints are cached under here, not in the user's cache.
-        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env},
     )
     assert completed.returncode == 0, completed.stderr
     completed.stdout_json = out.read_text()
@@ -211,6 +213,56 @@ def check_plot(result: dict[str, Any]) -> None:
     # One bar segment per phase for nanoqwen's one run; the peer has no phases to show.
     shares = [bar.get_width() for bar in phases.patches]
     assert shares == pytest.approx([p["share"] for p in result["nanoqwen"]["phases"].values()])
+
+
+def test_progress_shows_the_time_left_at_the_output_rate_so_far() -> None:
+    clock = [0.0]
+    console = Console(record=True, width=200, get_time=lambda: clock[0])
+    progress = bench.make_progress(console)
+    task = bench.add_progress_task(progress, "nanoqwen, round 1", 16, 1000)
+    for seconds, tokens, done in ((10, 100, 2), (20, 200, 4)):  # 10 output tokens a second
+        clock[0] = seconds
+        progress.update(task, completed=tokens, requests=f"{done}/16", tok_s="10 output tok/s")
+    console.print(progress.make_tasks_table(progress.tasks))
+    # 800 tokens to go at 10 a second.
+    assert "4/16 requests 10 output tok/s 0:00:20 · about 0:01:20 left" in console.export_text()
+
+
+def test_the_default_workload_is_sized_for_the_device(tmp_path: Path, qwen3_dir: str) -> None:
+    """nano-vllm's published workload on a GPU runs for hours on a CPU: a CPU gets one that
+    ends in minutes; sizes given on the command line are kept."""
+    sizes = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
+    assert bench.DEFAULT_SIZES["cuda"] == dict(zip(sizes, (256, 100, 1024, 100, 1024)))
+    cpu = bench.DEFAULT_SIZES["cpu"]
+    assert cpu["num_seqs"] * cpu["max_output"] <= 2048
+    result = run_bench(tmp_path, "--model", qwen3_dir, "--max-output", "40")
+    assert {size: result["settings"][size] for size in sizes} == {**cpu, "max_output": 40}
+
+
+@pytest.mark.skipif(not plotting, reason="needs matplotlib (the plot extra)")
+@pytest.mark.parametrize("num_runs", [1, 3])
+@pytest.mark.parametrize("levels", [["0"], ["0", "5"]], ids=["one-priority", "two-priorities"])
+def test_the_phase_legend_covers_no_label(num_runs: int, levels: list[str]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    phases = {phase: {"share": 1 / len(PHASES)} for phase in PHASES}
+    ttft = {"p50": 100.0, "p95": 200.0}
+    result = {
+        "settings": {"model": "m", "device": "cpu", "dtype": "float32", "scenario": "random"},
+        "nanoqwen": {"output_tok_s": 9.0, "phases": phases,
+                     "ttft_by_priority_ms": dict.fromkeys(levels, ttft)},
+        **{f"run {i}": {"output_tok_s": 5.0, "phases": phases} for i in range(num_runs - 1)},
+    }
+    figure = bench_plot.result_figure(result)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    phases_axes, *below = figure.axes[1:]  # and the TTFT panel, with two priorities
+    legend = phases_axes.get_legend().get_window_extent(renderer)
+    labels = [phases_axes.xaxis.label, *phases_axes.get_xticklabels(),
+              *(axes.title for axes in below)]
+    assert not [text.get_text() for text in labels
+                if legend.overlaps(text.get_window_extent(renderer))]
+    assert legend.y0 >= 0  # inside the image
 
 
 @pytest.mark.slow
@@ -539,7 +591,7 @@ def test_agreement_counts_tokens_before_each_first_difference() -> None:
     def run(outputs: dict[tuple[int, int], list[int]]) -> Any:
         return bench.EngineRun(
             [], 1.0, 1, {}, 0, 0, 0, 0, {}, 0, 0, None, per_step={}, weight_bytes=0, read_bytes_per_token=0,
-            outputs=outputs,
+            outputs=outputs, texts={},
         )
 
     reference = run({(0, 0): [1, 2, 3, 4], (1, 0): [5, 6], (1, 1): [7, 8]})
@@ -624,14 +676,31 @@ def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
 
 
 def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path, qwen3_dir: str) -> None:
-    import psutil
-
+    # The run's processes, and any they start, carry this mark in their environment: other
+    # processes on the machine (busy loops included) are not this run's leftovers.
+    mark = f"{os.getpid()}-{tmp_path.name}"
     spec = workload(num_seqs=2)
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
+    completed = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec),
+                                  "--background-load", "1", NANOQWEN_TEST_MARK=mark)
+    result = json.loads(completed.stdout_json)
     assert result["settings"]["background_load"] == 1
     assert 0 <= result["nanoqwen"]["reduced_thread_steps"] <= result["nanoqwen"]["steps"]
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] and "while True: pass" in " ".join(p.info["cmdline"])]
+    assert processes_marked(mark) == []
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment holds NANOQWEN_TEST_MARK=`mark`."""
+    import psutil
+
+    marked = []
+    for process in psutil.process_iter():
+        try:
+            if (process.environ().get("NANOQWEN_TEST_MARK") == mark
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                marked.append(process.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass  # another user's, or gone
+    return marked
 
 
 # --------------------------------------------------------------------------- load and servers

@@ -32,6 +32,8 @@ from rich.console import Console
 from rich.filesize import decimal
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.cli import pop_engine_options
+from nanoqwen.runner.cuda_graph import default_buckets
 from nanoqwen.text.generation_config import FALLBACK_SAMPLING
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +204,8 @@ def test_system_command_names_the_templates_own_default(qwen3_dir: str, tmp_path
     does): /system says what it writes instead of "No system prompt."."""
     model = model_copy(qwen3_dir, tmp_path / "model")
     (Path(model) / "chat_template.jinja").write_text(DEFAULT_SYSTEM_TEMPLATE)
-    result = run_piped([str(CHAT_SCRIPT), "--model", model, "--max-tokens", "4"], ["/system"])
+    result = run_piped([str(CHAT_SCRIPT), "--model", model, "--device", "cpu", "--max-tokens", "4"],
+                       ["/system"])
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         f"No system prompt of yours; the chat template adds its own: {QWEN25_DEFAULT}\n"
@@ -230,7 +233,7 @@ DEFAULT_SYSTEM_TEMPLATE = (
 # --------------------------------------------------------------------------- the CLI
 def chat_args(model_dir: str, *extra: str, greedy: bool = True) -> list[str]:
     sampling = ["--temperature", "0"] if greedy else []
-    return [str(CHAT_SCRIPT), "--model", model_dir, *sampling, "--page-size", "4",
+    return [str(CHAT_SCRIPT), "--model", model_dir, "--device", "cpu", *sampling, "--page-size", "4",
             "--system", SYSTEM, *extra]
 
 
@@ -243,7 +246,7 @@ def run_piped(args: list[str], lines: list[str]) -> subprocess.CompletedProcess:
 
 def oracle(model_dir: str, max_tokens: int) -> tuple[LLM, SamplingParams]:
     """An engine set up as chat.py sets it up, for greedy replies to compare with."""
-    llm = LLM(model_dir, page_size=4, max_num_seqs=1)
+    llm = LLM(model_dir, device="cpu", page_size=4, max_num_seqs=1)
     return llm, SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
@@ -342,8 +345,19 @@ def test_help_says_where_sampling_defaults_come_from() -> None:
         assert f"{name} {value}" in help_text
 
 
+def test_chat_sizes_its_engine_for_one_conversation(qwen3_dir: str) -> None:
+    """One conversation runs one request at a time: one sequence (on a GPU: one decode
+    graph, and a memory profile of one sequence), and a KV cache for its length."""
+    context = chat.main.make_context("chat.py", ["--model", qwen3_dir, "--device", "cpu"])
+    options = pop_engine_options(dict(context.params))
+    assert options["max_num_seqs"] == 1
+    assert default_buckets(options["max_num_seqs"]) == [1]
+    sized = chat.one_conversation(qwen3_dir, options)
+    assert sized["num_pages"] == 1 + -(-sized["max_model_len"] // sized["page_size"])
+
+
 def test_kv_cache_holds_one_conversation_of_max_model_len(qwen3_dir: str) -> None:
-    options = chat.one_conversation(qwen3_dir, {"page_size": 4, "max_model_len": 101})
+    options = chat.one_conversation(qwen3_dir, {"device": "cpu", "page_size": 4, "max_model_len": 101})
     llm = LLM(qwen3_dir, **options)
     assert llm.stats()["kv_cache"]["pages_total"] == 26  # 101 tokens in pages of 4
     # A conversation of exactly max_model_len tokens fits, with no preemption.
@@ -375,6 +389,22 @@ def test_unknown_model_is_one_line_that_names_the_option(tmp_path: Path) -> None
     )
     assert "Qwen/Qwen3-0.6B" in loader.stdout
     assert result.stderr == f"Error: --model: {loader.stdout}"
+
+
+def test_fields_are_broken_into_lines_between_them() -> None:
+    fields = ["a" * 10, "b" * 10, "c" * 30, "d" * 3]
+    assert chat.fit_lines(fields, 23) == f"{'a' * 10} · {'b' * 10}\n{'c' * 30}\n{'d' * 3}"
+    assert chat.fit_lines(fields, 100) == " · ".join(fields)
+
+
+def test_an_engine_error_names_the_flag_not_the_keyword(qwen3_dir: str) -> None:
+    trained = LLM(qwen3_dir, device="cpu").engine.max_model_len
+    result = run_piped(chat_args(qwen3_dir, "--max-model-len", str(trained + 1)), [])
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"Error: --max-model-len {trained + 1} exceeds the model's "
+        f"max_position_embeddings={trained}\n"
+    )
 
 
 class Screen:
@@ -498,7 +528,7 @@ def test_terminal_commands_say_what_they_do(qwen3_dir: str) -> None:
     child.expect(PROMPT)
     # A path is a message, and the conversation it goes to starts afresh under "Be terse.".
     _, _, prompt_tokens = send_turn(child, "/usr/bin")
-    llm = LLM(qwen3_dir)
+    llm = LLM(qwen3_dir, device="cpu")
     expected = llm.chat_prompt([system("Be terse."), {"role": "user", "content": "/usr/bin"}])
     assert prompt_tokens == len(expected)
 
@@ -507,7 +537,7 @@ def test_terminal_commands_say_what_they_do(qwen3_dir: str) -> None:
     child.sendline("/system")
     child.expect_exact("No system prompt.")
     child.sendline("/help")
-    child.expect_exact("//text sends /text")
+    child.expect_exact("Ctrl-C stops a reply")
     child.expect(PROMPT)
     child.sendeof()
     child.expect(pexpect.EOF)
@@ -518,15 +548,20 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
 ) -> None:
     # A model with a long context: on a CPU, chat keeps CPU_CONTEXT tokens of it.
     model = model_copy(qwen3_dir, tmp_path / "model", config={"max_position_embeddings": 40960})
-    child = spawn_chat(model, max_tokens=4)
+    screen = Screen()
+    child = spawn_chat(model, max_tokens=4, screen=screen)
     banner = " ".join(child.before.split())
     # K and V, per layer and KV head, float32, for the CPU_CONTEXT tokens and the scratch page.
     layers, kv_heads, head_dim, page_size = 2, 2, 32, 4
     kv_bytes = 2 * layers * kv_heads * head_dim * 4 * (chat.CPU_CONTEXT + page_size)
     context = f"{chat.CPU_CONTEXT:,} tokens"
-    assert f"on cpu (float32) · context {context} · KV cache {context} ({decimal(kv_bytes)})" in (
-        banner
-    )
+    fields = [f"{model} on cpu (float32)", f"context {context}",
+              f"KV cache {context} ({decimal(kv_bytes)})", "loaded in"]
+    assert all(field in banner for field in fields)
+    # Broken between fields, in lines that fit the terminal: no "·" left dangling.
+    lines = [row.strip() for row in screen.screen.display if row.strip()]
+    assert not [line for line in lines if line.startswith("·") or line.endswith("·")], lines
+    assert "Ctrl-C stops a reply" in banner
     assert "sampling: temperature 0.0" in banner  # --temperature 0 overrides the fallback
     stats = engine_stats(child)
     assert stats["pages_total"] == f"{chat.CPU_CONTEXT // page_size:,}"
@@ -536,6 +571,9 @@ def test_terminal_banner_shows_a_kv_cache_for_one_conversation(
     assert stats["kv_total_bytes"] == decimal(kv_total)
     assert stats["kv_used_bytes"] == "0 bytes"
     assert re.fullmatch(r"\d+\.\d [MG]B", stats["resident_bytes"])
+    # Where the memory goes: the weights as loaded, the KV cache, and what else is resident.
+    assert f"weights {stats['weight_bytes']} (float32)" in banner
+    assert re.search(r"in RAM \d+\.\d [MG]B \(\d+\.\d [MG]B besides weights and KV cache\)", banner)
     assert "hit_rate" in stats and "proposed_tokens" not in stats  # no speculation, no row
     child.sendeof()
     child.expect(pexpect.EOF)
@@ -549,7 +587,7 @@ def test_ctrl_c_stops_the_reply_and_frees_its_pages(qwen3_dir: str) -> None:
 
     stats = engine_stats(child)
     assert stats["pages_used"] == "0" and stats["running"] == "0"
-    assert stats["finished"] == "stop 0, length 0, abort 1"
+    assert stats["finished"] == "stop 0, length 0, abort 1, error 0"
 
     # The prompt still works, and the interrupted turn is in the history and in the cache.
     _, cached_2, prompt_2 = interrupt_turn(child, "and then?")

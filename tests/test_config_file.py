@@ -22,6 +22,7 @@ from server_helpers import REPO_ROOT, serve_process
 import bench
 import chat
 import serve
+from nanoqwen.cli import engine_options, in_flags
 
 COMMANDS = {"serve": serve.main, "chat": chat.main, "bench": bench.main}
 # Options every command shares, spelt both ways.
@@ -145,3 +146,20 @@ def test_bad_json_is_one_line(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(click.BadParameter, match="does not exist"):
         parse("serve", "--config", str(tmp_path / "missing.yaml"))
+
+
+def test_engine_errors_name_the_commands_flags() -> None:
+    @click.command()
+    @engine_options
+    def command(**options: object) -> None:
+        said.append(in_flags(
+            "max_model_len=5000 is too long; lower max_num_seqs or kv_cache_memory=0.5 "
+            "(device 'cuda' was asked for: device='cpu', or --dtype bf16)"
+        ))
+
+    said: list[str] = []
+    command([], standalone_mode=False)
+    assert said == [
+        "--max-model-len 5000 is too long; lower --max-num-seqs or --kv-cache-memory 0.5 "
+        "(device 'cuda' was asked for: --device 'cpu', or --dtype bf16)"
+    ]

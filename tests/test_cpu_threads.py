@@ -9,8 +9,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 import torch
+from server_helpers import wait_until
 
 from nanoqwen.runner import cpu_threads
 from nanoqwen.runner.cpu_threads import (
@@ -116,58 +118,70 @@ def test_a_step_off_a_cpu_keeps_torch_thread_count(restore_threads: None) -> Non
     assert threads.stats_group() == {}  # no `cpu` group in the engine's stats
 
 
-needs_two_cores = pytest.mark.skipif(
-    not cpu_threads.PROC_STAT.is_file() or len(os.sched_getaffinity(0)) < 2,
-    reason="needs /proc/stat and two cores",
-)
+needs_proc = pytest.mark.skipif(not cpu_threads.PROC_STAT.is_file(), reason="needs /proc")
 
 
-@pytest.fixture
-def on_two_cores(restore_threads: None) -> Iterator[set[int]]:
-    """This process pinned to two of its cores, torch on 2 threads; both restored after."""
-    affinity = os.sched_getaffinity(0)
-    two = set(sorted(affinity)[:2])
-    os.sched_setaffinity(0, two)
-    torch.set_num_threads(2)
-    yield two
-    os.sched_setaffinity(0, affinity)
+# The readings below are of real cores, and other processes may use them too: each test
+# checks only what a known consumer adds, which holds however busy the machine is, and
+# waits for that consumer to have run, not for a time. (`threads_for` and the fake reads
+# above check the choice made from them.) Both clocks count in ticks: allow a few.
+TICKS = 5 / os.sysconf("SC_CLK_TCK")
 
 
-@needs_two_cores
-def test_a_busy_process_on_one_of_two_cores_takes_a_thread_away(on_two_cores: set[int]) -> None:
-    """Real cores: pinned to two of them, with a busy process pinned to one, then gone."""
+@needs_proc
+def test_a_busy_process_on_our_cores_counts_as_others_use() -> None:
     threads = CpuThreads(torch.device("cpu"))
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        os.sched_setaffinity(busy.pid, {min(on_two_cores)})
-        assert wait_for_threads(threads, 1)
-        assert threads.stats_group()["cpu"]["reduced_steps"] >= 1
+        os.sched_setaffinity(busy.pid, {min(threads.cpus)})
+        child = psutil.Process(busy.pid)
+        before = threads._read()
+        started = sum(child.cpu_times()[:2])
+        wait_until(lambda: sum(child.cpu_times()[:2]) >= started + 0.5, timeout=600)
+        ran = sum(child.cpu_times()[:2]) - started
+        after = threads._read()
     finally:
         busy.kill()
         busy.wait()
-    assert wait_for_threads(threads, 2)
+    others = (after.busy - before.busy) - (after.ours - before.ours)
+    assert others >= ran - TICKS
 
 
-@needs_two_cores
-def test_a_busy_thread_of_this_process_takes_a_thread_away(on_two_cores: set[int]) -> None:
+@needs_proc
+def test_a_busy_thread_of_this_process_counts_as_others_use_and_the_stepping_one_not() -> None:
     """A server's handler thread that keeps a core busy (parsing, tokenizing) counts as
     another process would; the thread that runs the steps does not."""
     threads = CpuThreads(torch.device("cpu"))
-    assert wait_for_threads(threads, 2)  # this thread's own waiting does not count
-    stop = threading.Event()
-    handler = threading.Thread(target=spin_until, args=(stop,))
-    handler.start()
+    spun, done = threading.Event(), threading.Event()
+    side_seconds: list[float] = []
+
+    def handler() -> None:
+        spin_for(0.3)
+        side_seconds.append(time.thread_time())
+        spun.set()
+        done.wait()  # alive at the second reading: an ended thread's time is missed
+
+    before = threads._read()
+    side = threading.Thread(target=handler)
+    side.start()
     try:
-        assert wait_for_threads(threads, 1)
+        assert spun.wait(timeout=600)
+        stepping = time.thread_time()
+        spin_for(0.3)
+        stepping = time.thread_time() - stepping
+        after = threads._read()
     finally:
-        stop.set()
-        handler.join()
-    assert wait_for_threads(threads, 2)
+        done.set()
+        side.join()
+    ours = after.ours - before.ours
+    assert stepping - TICKS <= ours <= stepping + 0.1  # the handler's 0.3 s are not ours
+    assert (after.busy - before.busy) - ours >= side_seconds[0] - TICKS
 
 
-def spin_until(stop: threading.Event) -> None:
-    """Keep one core busy, as a handler parsing a large request would."""
-    while not stop.is_set():
+def spin_for(seconds: float) -> None:
+    """Keep one core busy for `seconds` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
@@ -182,24 +196,15 @@ def test_task_seconds_add_user_and_system_time_after_any_thread_name() -> None:
 def test_thread_seconds_reads_this_thread_and_ends_with_it() -> None:
     if not cpu_threads.PROC_STAT.is_file():
         pytest.skip("needs /proc")
-    end = time.thread_time() + 0.3
-    while time.thread_time() < end:
-        pass
+    spin_for(0.3)
     seconds = thread_seconds(threading.get_native_id())
     assert seconds is not None and seconds == pytest.approx(time.thread_time(), abs=0.05)
     finished = threading.Thread(target=lambda: None)
     finished.start()
     finished.join()
-    assert thread_seconds(finished.native_id) is None
-
-
-def wait_for_threads(threads: CpuThreads, expected: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        time.sleep(cpu_threads.INTERVAL_S)
-        if threads_in_a_step(threads) == expected:
-            return True
-    return False
+    # `join` returns once the thread's Python work is done; the kernel lets its task go a
+    # moment later, and until then it reads 0.
+    wait_until(lambda: thread_seconds(finished.native_id) is None, timeout=600)
 
 
 def test_busy_seconds_include_this_process() -> None:

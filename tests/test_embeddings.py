@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM, PoolingParams, SamplingParams
 
-ENGINE = dict(dtype="float32", page_size=8, num_pages=128, max_num_seqs=4)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, num_pages=128, max_num_seqs=4)
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog and then it sleeps", "😀"]
 
 

@@ -285,7 +285,7 @@ def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
 )
 def test_bad_engine_options_raise(qwen3_dir: str, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(qwen3_dir, **options)
+        LLM(qwen3_dir, **{"device": "cpu", **options})
 
 
 def test_cuda_without_cuda_is_a_clear_error(qwen3_dir: str) -> None:

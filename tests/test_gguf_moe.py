@@ -57,7 +57,7 @@ def test_a_moe_file_runs_like_the_checkpoint_it_was_written_from(moe_dir: str, t
     ours, source = read_checkpoint(path).model_config, read_checkpoint(moe_dir).model_config
     assert (ours.architecture, ours.moe, ours.layer_kinds) == (source.architecture, source.moe, source.layer_kinds)
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=41)
-    outputs = LLM(path, num_pages=64).generate(prompts, greedy(10))
+    outputs = LLM(path, device="cpu", num_pages=64).generate(prompts, greedy(10))
     assert [output.token_ids for output in outputs] == [hf_greedy(moe_dir, p, 10) for p in prompts]
 
 
@@ -68,7 +68,7 @@ def test_a_quantized_moe_file_agrees_with_transformers_on_its_weights(
     path = write_gguf(moe_dir, tmp_path / "model.gguf", all_of(qtype))
     oracle = rounded_checkpoint(moe_dir, qtype, tmp_path / "rounded")
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=42)
-    outputs = LLM(path, num_pages=64, quantization="none").generate(prompts, greedy(10))
+    outputs = LLM(path, device="cpu", num_pages=64, quantization="none").generate(prompts, greedy(10))
     assert [output.token_ids for output in outputs] == [hf_greedy(oracle, p, 10) for p in prompts]
 
 
@@ -93,7 +93,7 @@ def test_a_hybrid_file_is_refused_by_name(qwen2_dir: str, tmp_path: Path, archit
     path = write_gguf(qwen2_dir, tmp_path / f"{architecture}.gguf", all_of(F.F16), architecture=architecture)
     with pytest.raises(ValueError, match=rf"{architecture}\.gguf: GGUF architecture '{architecture}' is "
                                          "not supported: nanoqwen runs the hybrid"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 def test_a_dense_layer_has_no_place_in_a_qwen2moe_file(newer_kind_dirs: dict[str, str], tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from nanoqwen.server.structured import (
 )
 from nanoqwen.server.tools import MAX_TOOLS
 
-ENGINE = dict(dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
 # Valid schemas whose grammars lead nowhere: the output can't even begin, or it begins
 # (`{"a": `) and then nothing may follow.
 SELF_REFERENCE = {"$ref": "#"}

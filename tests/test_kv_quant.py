@@ -297,7 +297,8 @@ def assert_agrees_except_at_near_ties(
 def test_tensor_parallel_ranks_each_quantize_their_own_heads(qwen3_dir: str) -> None:
     """A scale belongs to one (token, KV head), so two ranks holding half the heads each
     store what one device stores, and decode the same tokens."""
-    options = dict(kv_cache_dtype="int8", page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3)
+    options = dict(device="cpu", kv_cache_dtype="int8", page_size=4, num_pages=24, chunk_size=16,
+                   max_num_seqs=3)
     prompts = random_prompts(800, PROMPT_LENGTHS, seed=3)
     expected = [o.token_ids for o in LLM(qwen3_dir, **options).generate(prompts, greedy(8))]
     split = LLM(qwen3_dir, tensor_parallel_size=2, **options)

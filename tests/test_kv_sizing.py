@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts
+from profiled_ranks import NoCounters
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoqwen import LLMEngine
@@ -42,7 +43,7 @@ from tools.checkpoints import PRESETS
 
 GIB = 2**30
 VOCAB = 800
-LIMITS = dict(max_num_seqs=4, chunk_size=16, max_model_len=64, page_size=4)
+LIMITS = dict(device="cpu", max_num_seqs=4, chunk_size=16, max_model_len=64, page_size=4)
 
 
 # ----------------------------------------------------------------- the budget
@@ -95,7 +96,7 @@ def step_shape(rows: list[Row]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def small_engine(qwen3_dir: str) -> LLMEngine:
     """Tight limits and a small pool, so steps hit every limit and requests get preempted."""
-    return LLMEngine(qwen3_dir, device="cpu", num_pages=40, **LIMITS)
+    return LLMEngine(qwen3_dir, num_pages=40, **LIMITS)
 
 
 WORKLOADS = st.lists(
@@ -151,22 +152,6 @@ class SpyBackend(TorchBackend):
         super().plan(metadata)
 
 
-class NoCounters:
-    """Stands in for the CUDA allocator's counters, which a CPU does not have."""
-
-    def allocated(self) -> int:
-        return 0
-
-    def reset_peak(self) -> None:
-        pass
-
-    def peak(self) -> int:
-        return 0
-
-    def free(self) -> int:
-        return 2**60
-
-
 LIMITS_OF_WORST = (LIMITS["max_num_seqs"], LIMITS["chunk_size"], LIMITS["max_model_len"])
 WORST = WorstStep(*LIMITS_OF_WORST)
 
@@ -216,7 +201,7 @@ def test_with_speculation_the_profiled_step_verifies_drafts_for_every_sequence(
     qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = LLMEngine(
-        qwen3_dir, speculative="ngram", num_speculative_tokens=3, num_pages=64,
+        qwen3_dir, device="cpu", speculative="ngram", num_speculative_tokens=3, num_pages=64,
         max_num_seqs=LIMITS["max_num_seqs"], chunk_size=LIMITS["chunk_size"],
     )
     rows: list[int] = []
@@ -369,11 +354,20 @@ def test_sizing_a_draft_model_is_profiled_on_the_rows_it_runs(qwen3_dir: str) ->
                        num_pages=64, **LIMITS)
     target, draft = engine.runner.model, engine.step_hooks[0].proposer.runner.model
     SpyBackend.planned = []
-    measure_overheads([target, draft], throwaway_runners(engine, SpyBackend, []), SpyBackend,
-                      0, settings_of(engine), NoCounters(), max_proposed=3)
+    overhead = measure_overheads([target, draft], throwaway_runners(engine, SpyBackend, []),
+                                 SpyBackend, 0, settings_of(engine), NoCounters(), max_proposed=3)
     sequences, chunk = LIMITS["max_num_seqs"], LIMITS["chunk_size"]
     profiled = [sorted(metadata.q_lens().tolist()) for metadata in SpyBackend.planned]
     assert profiled == [sorted([1 + 3] * sequences + [chunk]), sorted([1] * sequences + [chunk])]
+    # The distributions the drafts came from, kept until verified: a float32 row over the
+    # target's vocabulary per draft of every sequence, set aside beside the cache.
+    draft_probs = sequences * 3 * VOCAB * 4
+    assert overhead.draft_probs == draft_probs
+    assert overhead.total == draft_probs + overhead.resident + overhead.step + overhead.graphs
+    assert "draft distributions" in str(overhead)
+    alone = measure_overheads([target], throwaway_runners(engine, SpyBackend, []), SpyBackend, 0,
+                              settings_of(engine), NoCounters(), max_proposed=3)
+    assert alone.draft_probs == 0  # n-gram guesses keep no distributions
 
 
 # ----------------------------------------------------------------- defaults on a CPU

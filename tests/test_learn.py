@@ -169,7 +169,7 @@ def one_thread():
 @pytest.mark.parametrize("name, code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
 def test_runnable_blocks_run(
     name: str, code: str, cpu_has_bf16: bool, qwen3_dir: str, one_thread: None,
-    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+    a_machine_without_a_gpu: None, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
 ) -> None:
     """Each block as a reader's CPU runs it: with bf16 units, an engine left to its default
     computes in bfloat16. Blocks get `MODEL`; the notes on the newer kinds also `MOE_MODEL`

@@ -53,7 +53,7 @@ def test_sharded_checkpoint_loads(qwen2_dir: str, tmp_path: Path) -> None:
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     prompt = random_prompts(800, [30], seed=11)[0]
-    assert LLM(str(sharded)).generate([prompt], greedy(8))[0].token_ids == hf_greedy(qwen2_dir, prompt, 8)
+    assert LLM(str(sharded), device="cpu").generate([prompt], greedy(8))[0].token_ids == hf_greedy(qwen2_dir, prompt, 8)
 
 
 def test_missing_path_is_one_clear_line(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_directory_without_config_says_what_to_pass(qwen2_dir: str, tmp_path: Pa
         "or a hub id"
     )
     with pytest.raises(ValueError) as raised:
-        LLM(str(model_dir))
+        LLM(str(model_dir), device="cpu")
     assert str(raised.value) == expected
 
 
@@ -85,7 +85,7 @@ def test_unsupported_architecture_names_the_supported_ones(qwen2_dir: str, tmp_p
     config["architectures"] = ["LlamaForCausalLM"]
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        LLM(str(model_dir))
+        LLM(str(model_dir), device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_bad_weights_are_named(qwen2_dir: str, tmp_path: Path, edit, message: st
     model_dir = copy_checkpoint(qwen2_dir, tmp_path / "bad")
     rewrite_weights(model_dir, edit)
     with pytest.raises(ValueError, match=message):
-        LLM(str(model_dir))
+        LLM(str(model_dir), device="cpu")
 
 
 @pytest.mark.slow
@@ -118,7 +118,7 @@ def test_bad_weights_are_named(qwen2_dir: str, tmp_path: Path, edit, message: st
 def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict) -> None:
     # A short trained context, so dynamic scaling kicks in inside a small test.
     model_dir = build_qwen3(tmp_path / "rope", rope_parameters=rope, max_position_embeddings=64)
-    llm = LLM(model_dir, max_model_len=200)
+    llm = LLM(model_dir, device="cpu", max_model_len=200)
     prompts = random_prompts(800, [20, 90], seed=12)
     outputs = llm.generate(prompts, greedy(12))
     for prompt, output in zip(prompts, outputs):
@@ -147,11 +147,11 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path: Path) -> None:
     }
     (Path(model_dir) / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported rope scaling type 'llama3'.*linear, dynamic, yarn"):
-        LLM(model_dir)
+        LLM(model_dir, device="cpu")
 
 
 def test_unreadable_config_is_a_clear_error(qwen2_dir: str, tmp_path: Path) -> None:
     model_dir = copy_checkpoint(qwen2_dir, tmp_path / "broken")
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="could not read the model config"):
-        LLM(str(model_dir))
+        LLM(str(model_dir), device="cpu")

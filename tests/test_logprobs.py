@@ -18,7 +18,7 @@ from nanoqwen.sampling.logprobs import with_logprobs
 from nanoqwen.sampling.penalties import Penalties
 from nanoqwen.sampling.sampler import Sampler
 
-ENGINE = dict(dtype="float32", page_size=8, num_pages=128, max_num_seqs=4)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, num_pages=128, max_num_seqs=4)
 PROMPT = "the quick brown fox jumps over the lazy dog and then it sleeps while we write"
 TOLERANCE = 1e-4
 

@@ -107,8 +107,9 @@ def test_a_snapshot_restored_is_copied_never_computed_into(newer_kind_dirs: dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("kind", MOE + HYBRID)
 def test_two_ranks_equal_one(kind: str, newer_kind_dirs: dict[str, str]) -> None:
+    """Each rank holds half of every expert's width and half of the linear layers' heads."""
     model_dir = newer_kind_dirs[kind]
     prompts = random_prompts(VOCAB, LENGTHS, seed=16)
     one = engine_outputs(LLMEngine(model_dir, num_pages=96, **OPTIONS), prompts, 8)

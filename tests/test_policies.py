@@ -45,7 +45,7 @@ def finish_order(engine: LLMEngine) -> list[str]:
 
 
 def one_seat(model: str, policy: str, **options: object) -> LLMEngine:
-    return LLMEngine(model, max_num_seqs=1, scheduling_policy=policy, **options)
+    return LLMEngine(model, device="cpu", max_num_seqs=1, scheduling_policy=policy, **options)
 
 
 # --------------------------------------------------------------------------- the keys
@@ -79,7 +79,7 @@ def test_fair_levels_count_the_users_unfinished_requests() -> None:
 
 
 def test_sjf_counts_only_what_the_prefix_cache_does_not_hold(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, scheduling_policy="sjf", page_size=4)
+    engine = LLMEngine(qwen2_dir, device="cpu", scheduling_policy="sjf", page_size=4)
     prompt = random_prompts(VOCAB, [33], seed=60)[0]
     engine.add_request(prompt, greedy(1))
     finish_order(engine)
@@ -127,7 +127,7 @@ def test_fair_alternates_between_users(qwen2_dir: str) -> None:
 def test_a_fair_newcomer_takes_a_seat_from_a_wide_request(qwen2_dir: str) -> None:
     """Two seats, both held by one user's samples: another user's request is served at once,
     and the seat goes back when it is done."""
-    engine = LLMEngine(qwen2_dir, max_num_seqs=2, scheduling_policy="fair")
+    engine = LLMEngine(qwen2_dir, device="cpu", max_num_seqs=2, scheduling_policy="fair")
     prompt, other = random_prompts(VOCAB, [8, 5], seed=67)
     wide = [engine.add_request(prompt, greedy(20), user="batch") for _ in range(4)]
     engine.step()
@@ -173,7 +173,7 @@ OUTPUT_PROMPTS = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38], seed=71)
 @pytest.fixture(scope="module")
 def unhurried_outputs(qwen2_dir: str) -> list[list[int]]:
     """An fcfs run with room for everyone: the outputs every policy must give."""
-    return [o.token_ids for o in LLM(qwen2_dir).generate(OUTPUT_PROMPTS, greedy(16))]
+    return [o.token_ids for o in LLM(qwen2_dir, device="cpu").generate(OUTPUT_PROMPTS, greedy(16))]
 
 
 @pytest.mark.parametrize("policy", SCHEDULING_POLICIES)
@@ -182,7 +182,7 @@ def test_no_policy_changes_an_output(
 ) -> None:
     """Greedy outputs under every policy, through preemptions for pages, equal an
     unhurried fcfs run's."""
-    engine = LLMEngine(qwen2_dir, scheduling_policy=policy, num_pages=8, chunk_size=48,
+    engine = LLMEngine(qwen2_dir, device="cpu", scheduling_policy=policy, num_pages=8, chunk_size=48,
                        max_num_seqs=4, priority_aging_steps=8)
     ids = [engine.add_request(prompt, greedy(16), deadline=deadline, user=user)
            for prompt, deadline, user in zip(OUTPUT_PROMPTS, [30, 10, 20, None, 5, 40],
@@ -194,7 +194,7 @@ def test_no_policy_changes_an_output(
 
 # --------------------------------------------------------------------------- deadlines
 def test_deadlines_are_counted_met_or_missed(qwen2_dir: str) -> None:
-    llm = LLM(qwen2_dir)  # counted under every policy, fcfs too
+    llm = LLM(qwen2_dir, device="cpu")  # counted under every policy, fcfs too
     prompts = random_prompts(VOCAB, [5, 6, 7], seed=72)
     llm.generate(prompts, greedy(2), deadline=[1e-9, 3600, None])
     # Aborted in time: it did not finish, so it met nothing (late, it would count as missed).
@@ -205,7 +205,7 @@ def test_deadlines_are_counted_met_or_missed(qwen2_dir: str) -> None:
 
 # --------------------------------------------------------------------------- the API
 def test_bad_scheduling_fields_queue_nothing(qwen2_dir: str) -> None:
-    llm = LLM(qwen2_dir, scheduling_policy="fair")
+    llm = LLM(qwen2_dir, device="cpu", scheduling_policy="fair")
     for bad in (0, -1, float("inf"), float("nan"), True, "10"):
         with pytest.raises(ValueError, match="deadline must be a positive number"):
             llm.engine.add_request([5, 6], greedy(1), deadline=bad)
@@ -230,7 +230,7 @@ def test_settings_are_validated() -> None:
 
 
 def test_a_user_past_the_cap_is_refused(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, max_seqs_per_user=2)
+    engine = LLMEngine(qwen2_dir, device="cpu", max_seqs_per_user=2)
     prompts = iter(random_prompts(VOCAB, [5] * 6, seed=73))
     first = [engine.add_request(next(prompts), greedy(2), user="alice") for _ in range(2)]
     with pytest.raises(UserLimitExceeded, match="user 'alice' already has 2 unfinished"):
@@ -241,7 +241,7 @@ def test_a_user_past_the_cap_is_refused(qwen2_dir: str) -> None:
     engine.add_request(next(prompts), greedy(2), user="alice")
     assert len(engine.requests) == 4
     # Offline, a batch larger than the cap is refused whole.
-    llm = LLM(qwen2_dir, max_seqs_per_user=1, scheduling_policy="sjf")
+    llm = LLM(qwen2_dir, device="cpu", max_seqs_per_user=1, scheduling_policy="sjf")
     with pytest.raises(UserLimitExceeded, match="the shared user already has 1"):
         llm.generate([[5], [6]], greedy(1))
     assert not llm.engine.has_unfinished_requests()
@@ -251,8 +251,8 @@ def test_a_user_past_the_cap_is_refused(qwen2_dir: str) -> None:
 def test_the_engine_picks_the_policy_class(qwen2_dir: str) -> None:
     """fcfs is the core's own (test_architecture checks that a plain engine imports no
     policy module); the others come from policies.py, capped per user when asked."""
-    assert type(LLMEngine(qwen2_dir).scheduler.policy).__module__.endswith("waiting_queue")
-    assert isinstance(LLMEngine(qwen2_dir, scheduling_policy="fair").scheduler.policy, FairShare)
+    assert type(LLMEngine(qwen2_dir, device="cpu").scheduler.policy).__module__.endswith("waiting_queue")
+    assert isinstance(LLMEngine(qwen2_dir, device="cpu", scheduling_policy="fair").scheduler.policy, FairShare)
     for policy, kind in (("deadline", EarliestDeadline), ("sjf", ShortestPrompt),
                          ("fair", FairShare)):
         assert isinstance(make_policy(policy, 8, 60.0, None, None), kind)

@@ -109,11 +109,11 @@ def test_settings_are_validated() -> None:
 
 
 def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
-    fcfs = LLM(qwen2_dir)
+    fcfs = LLM(qwen2_dir, device="cpu")
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         fcfs.engine.add_request([5, 6, 7], greedy(2), priority=1)
     assert fcfs.generate([[5, 6, 7]], greedy(2), priority=[0])[0].finish_reason == "length"
-    llm = LLM(qwen2_dir, scheduling_policy="priority")
+    llm = LLM(qwen2_dir, device="cpu", scheduling_policy="priority")
     for bad in (1.5, "1", None, True):
         with pytest.raises(ValueError, match="priority must be an integer"):
             llm.engine.add_request([5, 6, 7], greedy(2), priority=bad)
@@ -133,7 +133,7 @@ def test_priority_is_checked_before_anything_is_queued(qwen2_dir: str) -> None:
 
 
 def test_stream_and_chat_take_a_priority(qwen2_dir: str) -> None:
-    llm = LLM(qwen2_dir, scheduling_policy="priority")
+    llm = LLM(qwen2_dir, device="cpu", scheduling_policy="priority")
     prompt = random_prompts(VOCAB, [9], seed=40)[0]
     stream = llm.stream(prompt, greedy(4), priority=-2)
     first = next(stream)
@@ -167,7 +167,7 @@ def test_command_line_options() -> None:
 @pytest.mark.parametrize("aging_steps", [0, 1024])
 def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_steps: int) -> None:
     engine = LLMEngine(
-        qwen2_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
+        qwen2_dir, device="cpu", max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
     )
     long_prompt, *prompts = random_prompts(VOCAB, [12, 5, 6, 7, 8], seed=41)
     long_running = engine.add_request(long_prompt, greedy(30))
@@ -182,7 +182,7 @@ def test_one_seat_serves_waiting_requests_by_priority(qwen2_dir: str, aging_step
 
 
 def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, max_num_seqs=3, scheduling_policy="priority")
+    engine = LLMEngine(qwen2_dir, device="cpu", max_num_seqs=3, scheduling_policy="priority")
     prompts = iter(random_prompts(VOCAB, [10, 11, 12, 6, 7, 8, 9], seed=42))
     low = engine.add_request(next(prompts), greedy(20), priority=2)
     engine.step()
@@ -220,7 +220,7 @@ def test_only_a_more_urgent_request_takes_a_seat(qwen2_dir: str) -> None:
 def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
     qwen2_dir: str, policy: str
 ) -> None:
-    engine = LLMEngine(qwen2_dir, max_num_seqs=2, scheduling_policy=policy)
+    engine = LLMEngine(qwen2_dir, device="cpu", max_num_seqs=2, scheduling_policy=policy)
     first, other = random_prompts(VOCAB, [40, 7], seed=49)
     sharing = first[:32] + [3, 4, 5]
     ids = [engine.add_request(p, greedy(6)) for p in (first, sharing, other)]
@@ -234,7 +234,7 @@ def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
     final = run_to_completion(engine)
     assert engine.stats()["requests"]["preemptions"] == 0
     assert final[ids[1]].num_cached_tokens == 32
-    plain = LLM(qwen2_dir, enable_prefix_cache=False)
+    plain = LLM(qwen2_dir, device="cpu", enable_prefix_cache=False)
     expected = plain.generate([first, sharing, other], greedy(6))
     assert [final[i].token_ids for i in ids] == [o.token_ids for o in expected]
 
@@ -243,7 +243,7 @@ def test_an_earlier_arrival_of_equal_priority_does_not_take_a_seat(
 def test_urgent_request_takes_pages_only_under_priority(qwen2_dir: str, policy: str) -> None:
     # 8 usable pages of 4 tokens. Each background request peaks at 15 computed tokens, 4
     # pages, so together they fill the pool and never need to preempt each other.
-    engine = LLMEngine(qwen2_dir, num_pages=9, page_size=4, scheduling_policy=policy)
+    engine = LLMEngine(qwen2_dir, device="cpu", num_pages=9, page_size=4, scheduling_policy=policy)
     prompts = random_prompts(VOCAB, [9, 9, 6], seed=43)
     background = [engine.add_request(p, greedy(7)) for p in prompts[:2]]
     while engine.requests[background[0]].num_tokens < 14:  # 13 computed: 4 pages
@@ -259,7 +259,7 @@ def test_urgent_request_takes_pages_only_under_priority(qwen2_dir: str, policy: 
     else:
         assert urgent not in moved
     final = run_to_completion(engine)
-    plain = LLM(qwen2_dir, enable_prefix_cache=False)
+    plain = LLM(qwen2_dir, device="cpu", enable_prefix_cache=False)
     expected = plain.generate(prompts, [greedy(7)] * 2 + [greedy(3)])
     assert [final[i].token_ids for i in [*background, urgent]] == [o.token_ids for o in expected]
     assert engine.stats()["requests"]["preemptions"] == (1 if policy == "priority" else 0)
@@ -274,7 +274,7 @@ def run_stream_with_one_background_request(
     step `arrival`. Returns each request's arrival step, finish step, and the
     priority-5 request's id."""
     engine = LLMEngine(
-        qwen2_dir, max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
+        qwen2_dir, device="cpu", max_num_seqs=1, scheduling_policy="priority", priority_aging_steps=aging_steps
     )
     prompts = iter(random_prompts(VOCAB, [5] * (stream_steps + 1), seed=44))
     arrived, finished = {}, {}
@@ -321,7 +321,7 @@ def test_aging_bounds_the_wait_behind_a_stream_of_urgent_requests(qwen2_dir: str
 def test_priorities_and_preemptions_never_change_outputs(qwen2_dir: str) -> None:
     prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38, 29, 47], seed=45)
     priorities = [random.Random(46).randrange(4) for _ in prompts]
-    options = dict(num_pages=12, chunk_size=48, max_num_seqs=4)
+    options = dict(device="cpu", num_pages=12, chunk_size=48, max_num_seqs=4)
     fcfs = LLM(qwen2_dir, **options).generate(prompts, greedy(20))
     llm = LLM(qwen2_dir, scheduling_policy="priority", priority_aging_steps=8, **options)
     outputs = llm.generate(prompts, greedy(20), priority=priorities)

@@ -10,16 +10,18 @@ checkpoint they were written from instead.
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from oracle import greedy, hf_greedy, random_prompts
 from quantized_helpers import build_wide, largest_greedy_gap, quantized_llm
 
 from nanoqwen import LLM
+from nanoqwen.cli import weights_kept_as
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, WeightQuantization
-from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes
+from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes, open_gguf
 from nanoqwen.weights.quantization import Int4Linear, Int8Linear
 from tools.checkpoints import IM_END, build_qwen3, generate_corpus
 from tools.gguf_files import F, all_of, k_quant_mix, write_gguf
@@ -61,7 +63,7 @@ def test_float32_file_runs_like_the_checkpoint_it_was_written_from(model_dir: st
              "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
     assert {k: getattr(ours, k) for k in shape} == {k: getattr(source, k) for k in shape}
     prompt = random_prompts(800, [30], seed=22)[0]
-    assert LLM(path, num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
+    assert LLM(path, device="cpu", num_pages=64).generate([prompt], greedy(12))[0].token_ids == hf_greedy(model_dir, prompt, 12)
 
 
 def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
@@ -69,7 +71,7 @@ def test_rope_scaling_comes_from_the_file(tmp_path: Path) -> None:
     model_dir = build_qwen3(tmp_path / "yarn", rope_parameters=rope, max_position_embeddings=64)
     path = write_gguf(model_dir, tmp_path / "yarn.gguf", all_of(F.F32))
     prompt = random_prompts(800, [90], seed=23)[0]
-    output = LLM(path, max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
+    output = LLM(path, device="cpu", max_model_len=200, num_pages=64).generate([prompt], greedy(8))[0]
     assert output.token_ids == hf_greedy(model_dir, prompt, 8)
 
 
@@ -89,7 +91,7 @@ def test_tokenizer_and_chat_template_come_from_the_file(qwen3_dir: str, tmp_path
 def test_unsupported_architecture_names_the_file(qwen2_dir: str, tmp_path: Path) -> None:
     path = write_gguf(qwen2_dir, tmp_path / "llama.gguf", all_of(F.F16), architecture="llama")
     with pytest.raises(ValueError, match=r"llama\.gguf: GGUF architecture 'llama' is not supported; nanoqwen runs qwen2, qwen3"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def test_damaged_file_is_a_clear_error(qwen2_dir: str, tmp_path: Path, damage) -
     path = Path(write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.Q8_0)))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(ValueError, match=r"model\.gguf is not a readable GGUF file"):
-        LLM(str(path))
+        LLM(str(path), device="cpu")
 
 
 def test_tensor_of_a_type_that_cannot_be_dequantized(wide_dirs: dict[str, str], tmp_path: Path) -> None:
@@ -110,21 +112,21 @@ def test_tensor_of_a_type_that_cannot_be_dequantized(wide_dirs: dict[str, str], 
 
     path = write_gguf(wide_dirs["qwen2"], tmp_path / "model.gguf", q8_k_up_projection)
     with pytest.raises(ValueError, match=r"model\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q8_K"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 def test_missing_tensor_is_named_as_transformers_names_it(qwen2_dir: str, tmp_path: Path) -> None:
     path = write_gguf(qwen2_dir, tmp_path / "model.gguf", all_of(F.F16), drop=("blk.1.ffn_down.weight",))
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.mlp\.down_proj\.weight'"):
-        LLM(path)
+        LLM(path, device="cpu")
 
 
 def test_path_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model path not found: models/missing\.gguf"):
-        LLM("models/missing.gguf")  # not a hub id, though it has one slash
+        LLM("models/missing.gguf", device="cpu")  # not a hub id, though it has one slash
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"weights\.bin is a file: pass a checkpoint directory or a \.gguf file"):
-        LLM(str(tmp_path / "weights.bin"))
+        LLM(str(tmp_path / "weights.bin"), device="cpu")
 
 
 # How far below the best logit of the file's float32 model a greedy token of its int4 run may fall.
@@ -155,8 +157,19 @@ def test_four_bit_codes_are_the_files_own(four_bit_tensors: list[gguf.ReaderTens
     for tensor in four_bit_tensors:
         codes = four_bit_codes(tensor)
         assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
-        weight = codes.codes.float() * per_weight(codes.scales) + per_weight(codes.offsets)
-        assert torch.equal(weight, torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type)))
+        expected = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type))
+        assert torch.equal(codes.weight(), expected)  # the weight the loader reads
+
+
+def test_the_reader_reads_what_ggufs_own_reads(qwen3_dir: str, tmp_path: Path) -> None:
+    """`open_gguf`'s plain view of the mapping gives the same metadata and tensors."""
+    path = write_gguf(qwen3_dir, tmp_path / "model.gguf", k_quant_mix)
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert field.contents() == ours.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
 def test_int4_linear_multiplies_by_the_files_weights(four_bit_tensors: list[gguf.ReaderTensor]) -> None:
@@ -194,6 +207,7 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
     token 0.34 below the best."""
     path = write_gguf(wide_dirs[architecture], tmp_path / "model.gguf", k_quant_mix)
     llm = LLM(path, device="cpu", num_pages=64)
+    assert weights_kept_as(llm.engine) == "the file's 4-bit codes, int8 for its other types"
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and isinstance(layer.self_attn.o_proj, Int4Linear)
@@ -207,6 +221,8 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
 
 def test_int8_asked_for_makes_every_linear_of_a_4_bit_file_int8(wide_dirs: dict[str, str], tmp_path: Path) -> None:
     path = write_gguf(wide_dirs["qwen2"], tmp_path / "model.gguf", k_quant_mix)
-    model = quantized_llm(path, "int8", device="cpu").engine.runner.model
+    engine = quantized_llm(path, "int8", device="cpu").engine
+    assert weights_kept_as(engine) == "int8 codes from GGUF"  # as chat's banner and serve's log say
+    model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear))]
     assert linears and all(isinstance(linear, Int8Linear) for linear in linears)

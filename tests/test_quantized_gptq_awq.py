@@ -81,7 +81,7 @@ def test_int4_checkpoint_stays_int4_in_memory(wide_dirs: dict[str, str], tmp_pat
     bfloat16 rounding of scales and zeros: the run-time model is the checkpoint's.
     """
     packed_dir, dequantized_dir = write_packed_checkpoint(wide_dirs["qwen3"], tmp_path, LAYOUTS["awq-g128"])
-    llm = LLM(packed_dir, dtype="bfloat16", num_pages=64)
+    llm = LLM(packed_dir, device="cpu", dtype="bfloat16", num_pages=64)
     for layer in llm.engine.runner.model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             # Half a byte per weight, plus a bfloat16 scale and zero per group of 128.
@@ -116,7 +116,7 @@ def with_quantization_config(source: str, destination: Path, quantization_config
 def test_unsupported_quantization_is_named(qwen2_dir: str, tmp_path: Path, quantization_config: dict, message: str) -> None:
     model_dir = with_quantization_config(qwen2_dir, tmp_path / "model", quantization_config)
     with pytest.raises(ValueError, match=rf"{model_dir}/config\.json: {message}"):
-        LLM(model_dir)
+        LLM(model_dir, device="cpu")
 
 
 def test_missing_scales_are_named(wide_dirs: dict[str, str], tmp_path: Path) -> None:
@@ -126,4 +126,4 @@ def test_missing_scales_are_named(wide_dirs: dict[str, str], tmp_path: Path) -> 
     del tensors["model.layers.1.mlp.down_proj.scales"]
     save_file(tensors, weights)
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.mlp\.down_proj\.scales'"):
-        LLM(packed_dir)
+        LLM(packed_dir, device="cpu")

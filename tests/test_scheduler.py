@@ -27,12 +27,12 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
 @pytest.fixture(scope="module")
 def reference(qwen3_dir: str) -> LLM:
     """Cache off, one big chunk, a large pool: the plain way to compute everything."""
-    return LLM(qwen3_dir, enable_prefix_cache=False, chunk_size=100_000)
+    return LLM(qwen3_dir, device="cpu", enable_prefix_cache=False, chunk_size=100_000)
 
 
 @pytest.fixture(scope="module")
 def qwen2_reference(qwen2_dir: str) -> LLM:
-    return LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000)
+    return LLM(qwen2_dir, device="cpu", enable_prefix_cache=False, chunk_size=100_000)
 
 
 @pytest.mark.native_kernels
@@ -40,7 +40,7 @@ def test_shared_prefix_is_computed_once(qwen3_dir: str, reference: LLM) -> None:
     prefix = random_prompts(VOCAB, [200], seed=20)[0]
     tails = random_prompts(VOCAB, [3 + i for i in range(16)], seed=21)
     prompts = [prefix + tail for tail in tails]
-    engine = LLMEngine(qwen3_dir)
+    engine = LLMEngine(qwen3_dir, device="cpu")
     outputs = generate(engine, prompts, greedy(8))
     full_prefix_pages = len(prefix) // 16 * 16
     assert [o.num_cached_tokens >= full_prefix_pages for o in outputs[1:]] == [True] * 15
@@ -53,7 +53,7 @@ def test_shared_prefix_is_computed_once(qwen3_dir: str, reference: LLM) -> None:
 
 @pytest.mark.native_kernels
 def test_second_turn_reuses_first_turn_prompt_and_answer(qwen3_dir: str) -> None:
-    engine = LLMEngine(qwen3_dir)
+    engine = LLMEngine(qwen3_dir, device="cpu")
     turn1 = random_prompts(VOCAB, [37], seed=22)[0]
     answer = generate(engine, [turn1], greedy(30))[0].token_ids
     turn2 = turn1 + answer + random_prompts(VOCAB, [9], seed=23)[0]
@@ -72,14 +72,14 @@ def test_chunking_and_paging_never_change_outputs(
 ) -> None:
     prompts = random_prompts(VOCAB, [1, 15, 16, 17, 70], seed=24)
     prompts.append(prompts[3][:16] + [5, 6, 7])  # shares a full page with another prompt
-    expected = LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(10))
-    engine = LLMEngine(qwen2_dir, chunk_size=chunk_size, page_size=page_size)
+    expected = LLM(qwen2_dir, device="cpu", enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(10))
+    engine = LLMEngine(qwen2_dir, device="cpu", chunk_size=chunk_size, page_size=page_size)
     outputs = generate(engine, prompts, greedy(10))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
 
 
 def test_decodes_advance_every_step_while_a_long_prompt_prefills(qwen3_dir: str) -> None:
-    engine = LLMEngine(qwen3_dir, chunk_size=32)
+    engine = LLMEngine(qwen3_dir, device="cpu", chunk_size=32)
     decoding = [engine.add_request(p, greedy(200)) for p in random_prompts(VOCAB, [5, 9, 13], seed=25)]
     for _ in range(3):
         engine.step()
@@ -96,9 +96,9 @@ def test_decodes_advance_every_step_while_a_long_prompt_prefills(qwen3_dir: str)
 @pytest.mark.native_kernels
 def test_small_pool_preempts_and_still_matches(qwen2_dir: str, reference: LLM) -> None:
     prompts = random_prompts(VOCAB, [40, 33, 50, 21, 45, 38, 29, 47], seed=27)
-    expected = LLM(qwen2_dir, enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(40))
+    expected = LLM(qwen2_dir, device="cpu", enable_prefix_cache=False, chunk_size=100_000).generate(prompts, greedy(40))
     for cache in (True, False):
-        engine = LLMEngine(qwen2_dir, num_pages=14, enable_prefix_cache=cache, chunk_size=48)
+        engine = LLMEngine(qwen2_dir, device="cpu", num_pages=14, enable_prefix_cache=cache, chunk_size=48)
         outputs = generate(engine, prompts, greedy(40))
         assert_unchanged(qwen2_dir, prompts, outputs, expected, engine.config.dtype)
         assert all(o.finish_reason == "length" for o in outputs)
@@ -109,8 +109,8 @@ def test_small_pool_preempts_and_still_matches(qwen2_dir: str, reference: LLM) -
 def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
     prompts = random_prompts(VOCAB, [40, 33, 50, 21], seed=28)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True) for i in range(4)]
-    roomy = LLM(qwen2_dir).generate(prompts, params)
-    tight = LLMEngine(qwen2_dir, num_pages=9)
+    roomy = LLM(qwen2_dir, device="cpu").generate(prompts, params)
+    tight = LLMEngine(qwen2_dir, device="cpu", num_pages=9)
     ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
     final = run_to_completion(tight)
     assert tight.stats()["requests"]["preemptions"] > 0
@@ -118,7 +118,7 @@ def test_preempted_seeded_request_keeps_its_stream(qwen2_dir: str) -> None:
 
 
 def test_request_that_can_never_fit(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, num_pages=4)  # 3 usable pages: 48 tokens
+    engine = LLMEngine(qwen2_dir, device="cpu", num_pages=4)  # 3 usable pages: 48 tokens
     with pytest.raises(ValueError, match="KV cache holds only 48"):
         engine.add_request(list(range(3, 60)), greedy(5))
     request_id = engine.add_request(list(range(3, 40)), greedy(100))
@@ -129,7 +129,7 @@ def test_request_that_can_never_fit(qwen2_dir: str) -> None:
 
 
 def test_hot_prefix_survives_eviction(qwen3_dir: str) -> None:
-    engine = LLMEngine(qwen3_dir, num_pages=16)  # 15 usable pages
+    engine = LLMEngine(qwen3_dir, device="cpu", num_pages=16)  # 15 usable pages
     hot = random_prompts(VOCAB, [64], seed=29)[0]  # 4 pages
     colds = random_prompts(VOCAB, [80] * 6, seed=30)  # 5 pages each, never repeated
     hits = []
@@ -142,7 +142,7 @@ def test_hot_prefix_survives_eviction(qwen3_dir: str) -> None:
 
 
 def test_reset_prefix_cache_frees_everything_unused(qwen3_dir: str) -> None:
-    engine = LLMEngine(qwen3_dir)
+    engine = LLMEngine(qwen3_dir, device="cpu")
     generate(engine, random_prompts(VOCAB, [50, 70], seed=31), greedy(4))
     assert engine.stats()["kv_cache"]["pages_cached"] > 0
     running = engine.add_request(random_prompts(VOCAB, [40], seed=32)[0], greedy(20))
@@ -167,7 +167,7 @@ TIGHT_ENGINES = [("fcfs", 24, 6), ("priority", 16, 2)]
 def tight_engine(request: pytest.FixtureRequest, qwen2_dir: str) -> LLMEngine:
     policy, num_pages, max_num_seqs = request.param
     return LLMEngine(
-        qwen2_dir, num_pages=num_pages, page_size=4, chunk_size=24, max_num_seqs=max_num_seqs,
+        qwen2_dir, device="cpu", num_pages=num_pages, page_size=4, chunk_size=24, max_num_seqs=max_num_seqs,
         scheduling_policy=policy, priority_aging_steps=16,
     )
 

@@ -55,6 +55,7 @@ from server_helpers import (
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.server import OpenAIServer, ServerSettings, make_server
+from nanoqwen.server.app import served_model_id
 
 STATES = ("used", "cached", "free")  # of a KV page, as /metrics labels them
 
@@ -407,11 +408,12 @@ def test_cli_serves_and_stops_promptly_on_sigterm(qwen3_dir: str) -> None:
     sender = None
     try:
         # Where the model runs and what it holds, as chat's banner says it.
-        llm = LLM(qwen3_dir, max_num_seqs=2)
-        kv = llm.stats()["kv_cache"]
+        llm = LLM(qwen3_dir, device="cpu", max_num_seqs=2)
+        kv, memory = llm.stats()["kv_cache"], llm.stats()["memory"]
         summary = (
-            f"cpu (float32) · context {llm.engine.max_model_len:,} tokens · "
-            f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])})"
+            f"cpu (float32) · weights {decimal(memory['weight_bytes'])} (float32) · "
+            f"context {llm.engine.max_model_len:,} tokens · "
+            f"KV cache {kv['capacity_tokens']:,} tokens ({decimal(kv['bytes'])}) · in RAM "
         )
         assert re.search(r"loaded in \d+\.\d s: " + re.escape(summary), "".join(log))
         base_url = f"http://127.0.0.1:{port}/v1"
@@ -455,7 +457,7 @@ def port_in_use() -> Iterator[int]:
 def test_cli_says_a_port_is_in_use_in_one_line_without_loading(qwen3_dir: str) -> None:
     with port_in_use() as port:
         result = subprocess.run(
-            [sys.executable, "serve.py", "--model", qwen3_dir, "--port", str(port)],
+            [sys.executable, "serve.py", "--model", qwen3_dir, "--device", "cpu", "--port", str(port)],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1
@@ -465,6 +467,17 @@ def test_cli_says_a_port_is_in_use_in_one_line_without_loading(qwen3_dir: str) -
         f"Error: port {port} is in use (on 127.0.0.1): stop what holds it, or pick another port"
     ]
     assert "loaded in" not in result.stderr  # said before the model loads, not after
+    assert "loading" not in result.stderr  # nor does it start to
+
+
+def test_the_model_id_is_a_directory_or_file_name_or_the_hub_id(tmp_path: Path) -> None:
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    (tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf").touch()
+    assert served_model_id(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
+    assert served_model_id(str(tmp_path / "Qwen3-0.6B") + "/") == "Qwen3-0.6B"
+    gguf = tmp_path / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert served_model_id(str(gguf)) == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    assert served_model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 
 def test_the_port_is_taken_before_the_model_is_read(tmp_path: Path) -> None:

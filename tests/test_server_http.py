@@ -229,11 +229,11 @@ def test_omitted_sampling_settings_come_from_the_model_offline_and_served_alike(
     assert model["sampling_defaults"] == defaults
     prompts = ["hello world", "the lazy dog", "a b c"]
     params = SamplingParams(seed=11, max_tokens=12)
-    offline = LLM(qwen3_dir, dtype="float32", page_size=8, num_pages=256)
+    offline = LLM(qwen3_dir, device="cpu", dtype="float32", page_size=8, num_pages=256)
     with_defaults = [out.text for out in offline.generate(prompts, params)]
     assert with_defaults == [out.text for out in offline.generate(
         prompts, SamplingParams(**defaults, seed=11, max_tokens=12))]
-    neutral = LLM(qwen3_dir, dtype="float32", page_size=8, num_pages=256, generation_config="none")
+    neutral = LLM(qwen3_dir, device="cpu", dtype="float32", page_size=8, num_pages=256, generation_config="none")
     assert neutral.engine.sampling_defaults == {}
     plain = [out.text for out in neutral.generate(prompts, params)]
     assert with_defaults != plain  # so the comparison below can tell them apart

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.server import OpenAIServer
 
-ENGINE = dict(dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
 CHAT = [{"role": "user", "content": "the quick brown fox"}]
 TOLERANCE = 1e-4
 

@@ -91,7 +91,7 @@ def repetitive_prompt(pattern: list[int], length: int) -> list[int]:
 def references(qwen2_dir: str, qwen3_dir: str) -> dict[str, LLM]:
     """No speculation, no cache, one big chunk: the plain way to compute everything."""
     return {
-        d: LLM(d, enable_prefix_cache=False, chunk_size=100_000) for d in (qwen2_dir, qwen3_dir)
+        d: LLM(d, device="cpu", enable_prefix_cache=False, chunk_size=100_000) for d in (qwen2_dir, qwen3_dir)
     }
 
 
@@ -130,6 +130,7 @@ def workloads(draw: st.DrawFn) -> dict:
             for m in max_tokens
         ],
         "options": {
+            "device": "cpu",
             "page_size": page_size,
             "chunk_size": draw(st.sampled_from([5, 32, 4096])),
             "enable_prefix_cache": draw(st.booleans()),
@@ -187,7 +188,7 @@ def test_ngram_speculation_is_exercised(qwen3_dir: str, references: dict[str, LL
     """The workload shape of the property test does accept, reject and preempt."""
     prompts = [repetitive_prompt([11, 12, 13], 40), *random_prompts(VOCAB, [30, 50, 7], seed=3)]
     params = [greedy(30)] * len(prompts)
-    engine = LLMEngine(qwen3_dir, speculative="ngram", num_pages=24, page_size=4, chunk_size=32)
+    engine = LLMEngine(qwen3_dir, device="cpu", speculative="ngram", num_pages=24, page_size=4, chunk_size=32)
     outputs = run(engine, prompts, params)
     expected = references[qwen3_dir].generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
@@ -211,7 +212,7 @@ def test_ngram_speculation_under_priority_preemption(
     prompts = [repetitive_prompt([11, 12, 13], 40), random_prompts(VOCAB, [12], seed=5)[0]]
     params = [greedy(30), greedy(8)]
     engine = LLMEngine(
-        qwen3_dir, speculative="ngram", scheduling_policy="priority", max_num_seqs=1,
+        qwen3_dir, device="cpu", speculative="ngram", scheduling_policy="priority", max_num_seqs=1,
         page_size=4, num_pages=40,
     )
     outputs = run(engine, prompts, params, priorities=[1, 0], arrivals=[0, 6])
@@ -236,7 +237,7 @@ def test_draft_model_greedy_output_is_unchanged(
     prompts = [shared + [7, 8], shared + [9], *random_prompts(VOCAB, [3, 70, 25], seed=6)]
     params = [greedy(24)] * len(prompts)
     engine = LLMEngine(
-        qwen3_dir, draft_model=draft_dir, num_speculative_tokens=3, num_pages=24, page_size=8,
+        qwen3_dir, device="cpu", draft_model=draft_dir, num_speculative_tokens=3, num_pages=24, page_size=8,
         chunk_size=16,
     )
     outputs = run(engine, prompts, params)
@@ -263,10 +264,10 @@ def test_draft_model_kv_follows_the_accepted_tokens(qwen2_dir: str, qwen3_dir: s
     """After every step, the draft pool holds exactly the K/V the draft model computes
     for each request's accepted tokens from scratch, rollbacks included."""
     engine = LLMEngine(
-        qwen3_dir, draft_model=qwen2_dir, num_speculative_tokens=3, page_size=4, chunk_size=16,
+        qwen3_dir, device="cpu", draft_model=qwen2_dir, num_speculative_tokens=3, page_size=4, chunk_size=16,
         num_pages=64,
     )
-    fresh = LLMEngine(qwen2_dir, enable_prefix_cache=False, page_size=4, num_pages=32)
+    fresh = LLMEngine(qwen2_dir, device="cpu", enable_prefix_cache=False, page_size=4, num_pages=32)
     prompts = [repetitive_prompt([21, 22], 30), *random_prompts(VOCAB, [45, 9], seed=8)]
     for prompt in prompts:
         engine.add_request(prompt, greedy(20))
@@ -296,7 +297,7 @@ def test_draft_pool_mirrors_the_target_pool_and_shares_its_memory(
     qwen2_dir: str, qwen3_dir: str
 ) -> None:
     memory = 1 << 20
-    engine = LLMEngine(qwen3_dir, draft_model=qwen2_dir, kv_cache_memory=memory, page_size=8)
+    engine = LLMEngine(qwen3_dir, device="cpu", draft_model=qwen2_dir, kv_cache_memory=memory, page_size=8)
     target, draft = engine.runner, engine.step_hooks[0].proposer.runner
     page_bytes = [cache.kv[:, :, 0].nbytes for cache in (target.kv_cache, draft.kv_cache)]
     # Sized together: both caches have the pages that fit in the memory of the two.
@@ -309,7 +310,7 @@ def test_ngram_speculation_across_tensor_parallel_ranks(
 ) -> None:
     """Rank 0 proposes, verifies and rolls back; the other ranks only compute the rows."""
     prompts = [repetitive_prompt([71, 72, 73], 30), *random_prompts(VOCAB, [12, 40], seed=12)]
-    options = dict(page_size=4, num_pages=40, chunk_size=16, speculative="ngram")
+    options = dict(device="cpu", page_size=4, num_pages=40, chunk_size=16, speculative="ngram")
     with LLM(qwen2_dir, tensor_parallel_size=2, **options) as llm:
         outputs = llm.generate(prompts, greedy(20))
         stats = llm.stats()
@@ -322,7 +323,7 @@ def test_ngram_speculation_across_tensor_parallel_ranks(
 def test_stops_apply_to_accepted_tokens_only(qwen3_dir: str, references: dict[str, LLM]) -> None:
     prompt = repetitive_prompt([31, 32, 33, 34], 30)
     free_run = references[qwen3_dir].generate([prompt], greedy(30))[0].token_ids
-    llm = LLM(qwen3_dir, speculative="ngram", num_speculative_tokens=5)
+    llm = LLM(qwen3_dir, device="cpu", speculative="ngram", num_speculative_tokens=5)
     cases = [
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[free_run[12]]),
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
@@ -356,14 +357,14 @@ def test_stops_apply_to_accepted_tokens_only(qwen3_dir: str, references: dict[st
 
 def test_max_model_len_caps_the_drafts(qwen3_dir: str, references: dict[str, LLM]) -> None:
     prompt = repetitive_prompt([41, 42], 20)
-    llm = LLM(qwen3_dir, speculative="ngram", ngram_min=1, max_model_len=29)
+    llm = LLM(qwen3_dir, device="cpu", speculative="ngram", ngram_min=1, max_model_len=29)
     output = llm.generate([prompt], greedy(100))[0]
     assert len(output.token_ids) == 9 and output.finish_reason == "length"
     assert output.token_ids == references[qwen3_dir].generate([prompt], greedy(9))[0].token_ids
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(qwen3_dir: str) -> None:
-    llm = LLM(qwen3_dir, speculative="ngram", ngram_min=1)
+    llm = LLM(qwen3_dir, device="cpu", speculative="ngram", ngram_min=1)
     probe = repetitive_prompt([51, 52, 53], 24)
     seeded = SamplingParams(temperature=0.3, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     alone = llm.generate([probe], seeded)[0].token_ids
@@ -552,14 +553,14 @@ def test_ngram_lookup_prefers_long_and_late_matches() -> None:
 )
 def test_bad_speculative_options_raise(qwen3_dir: str, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(qwen3_dir, **options)
+        LLM(qwen3_dir, **{"device": "cpu", **options})
 
 
 def test_draft_model_must_share_the_tokenizer(qwen3_dir: str, tmp_path: Path) -> None:
     other = build_qwen3(tmp_path / "other", seed=1)
     synthetic_tokenizer(TINY_VOCAB_SIZE).save_pretrained(other)  # same size, other tokens
     with pytest.raises(ValueError, match="tokenizer"):
-        LLM(qwen3_dir, draft_model=other)
+        LLM(qwen3_dir, device="cpu", draft_model=other)
 
 
 def test_command_line_options_reach_the_engine() -> None:

@@ -22,7 +22,7 @@ from server_helpers import MODEL, assert_error_shape, call
 from nanoqwen import LLM, SamplingParams, StructuredOutput
 from nanoqwen.server import OpenAIServer
 
-ENGINE = dict(dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, num_pages=256, max_num_seqs=8)
 # Bounded everywhere (xgrammar's length-bounded strings admit control characters, which
 # JSON forbids, so names are bounded by a pattern instead of maxLength).
 SCHEMA = {

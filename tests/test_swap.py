@@ -22,7 +22,7 @@ VOCAB = 800
 MiB = 1 << 20
 # 8 usable pages of 4 tokens: four requests of 9 to 12 prompt tokens and 12 generated
 # outgrow it together, so some are preempted, and their cached pages evicted meanwhile.
-TIGHT = dict(page_size=4, num_pages=9, max_num_seqs=4)
+TIGHT = dict(device="cpu", page_size=4, num_pages=9, max_num_seqs=4)
 LENGTHS = [9, 12, 10, 11]
 
 
@@ -40,7 +40,7 @@ def run(model: str, **options: object) -> tuple[list[list[int]], dict]:
 def unhurried(model: str, **options: str) -> list[list[int]]:
     """The tight workload's outputs with room for everyone (never preempted), run once."""
     prompts = random_prompts(VOCAB, LENGTHS, seed=80)
-    return [o.token_ids for o in LLM(model, **options).generate(prompts, greedy(12))]
+    return [o.token_ids for o in LLM(model, device="cpu", **options).generate(prompts, greedy(12))]
 
 
 def test_swapped_requests_resume_where_they_were(qwen2_dir: str) -> None:
@@ -67,7 +67,7 @@ def test_a_full_host_pool_falls_back_to_recompute(qwen2_dir: str, host_pages: in
 
 
 def test_only_the_pages_the_cache_lost_come_back(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, page_size=4, preemption_mode="swap", swap_space=MiB)
+    engine = LLMEngine(qwen2_dir, device="cpu", page_size=4, preemption_mode="swap", swap_space=MiB)
     prompt = random_prompts(VOCAB, [20], seed=81)[0]
     request_id = engine.add_request(prompt, greedy(10))
     request = engine.requests[request_id]
@@ -86,12 +86,12 @@ def test_only_the_pages_the_cache_lost_come_back(qwen2_dir: str) -> None:
     final = run_to_completion(engine)
     swap = engine.stats()["swap"]
     assert (swap["swaps_in"], swap["pages_in"]) == (1, copied)
-    expected = LLM(qwen2_dir, enable_prefix_cache=False).generate([prompt], greedy(10))
+    expected = LLM(qwen2_dir, device="cpu", enable_prefix_cache=False).generate([prompt], greedy(10))
     assert final[request_id].token_ids == expected[0].token_ids
 
 
 def test_an_abort_while_swapped_frees_the_host_pages(qwen2_dir: str) -> None:
-    engine = LLMEngine(qwen2_dir, page_size=4, preemption_mode="swap", swap_space=MiB)
+    engine = LLMEngine(qwen2_dir, device="cpu", page_size=4, preemption_mode="swap", swap_space=MiB)
     request_id = engine.add_request(random_prompts(VOCAB, [12], seed=82)[0], greedy(10))
     engine.step()
     engine.scheduler._preempt(engine.requests[request_id], "kv_pages", [])
@@ -138,7 +138,7 @@ def test_the_host_pool_copies_every_byte_back(dtype: torch.dtype) -> None:
 
 def test_models_with_recurrent_layers_refuse_swap(newer_kind_dirs: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="recurrent layers.*preemption_mode='recompute'"):
-        LLMEngine(newer_kind_dirs["qwen3_next"], preemption_mode="swap", swap_space=MiB)
+        LLMEngine(newer_kind_dirs["qwen3_next"], device="cpu", preemption_mode="swap", swap_space=MiB)
 
 
 def test_settings_are_validated() -> None:

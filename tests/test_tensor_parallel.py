@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import profiled_ranks
 import psutil
 import pytest
 import torch
@@ -36,9 +37,11 @@ from nanoqwen.memory.state_pool import lay_out_states
 from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.layers import TensorParallel, split_across
 from nanoqwen.model.loading import TensorSlice
+from nanoqwen.parallel import launch
 from nanoqwen.parallel.launch import check_splittable_shape
 from nanoqwen.parallel.step_broadcast import STEP_WIRE, step_from_wire, step_to_wire
 from nanoqwen.parallel.workers import WorkerFailure
+from nanoqwen.runner import startup
 from nanoqwen.runner.runner import StepInputs, lay_out
 from nanoqwen.scheduling.request import Request
 from nanoqwen.scheduling.scheduler import Row
@@ -53,7 +56,7 @@ VOCAB = 800
 # chunked, requests are preempted, and later prompts find earlier ones in the cache.
 # Decode steps are padded to buckets through the CUDA-graph runner's buffers, as on a GPU.
 OPTIONS = dict(
-    page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
+    device="cpu", page_size=4, num_pages=24, chunk_size=16, max_num_seqs=3, decode_buckets=[1, 2, 4]
 )
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,6 +232,32 @@ def first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
+def test_the_start_up_profile_runs_on_every_rank(
+    qwen3_dir: str, engines: Engines, one_device: Callable[[str], LLM],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU, each rank's start-up runs the worst step (and the largest graph bucket's)
+    through its runner to size the KV cache; every rank must get through it in step with
+    the others, rank 0 sampling and the others not. Here the same profile runs inside the
+    real start-up of two CPU ranks (`profiled_ranks.py`); afterwards they serve as usual."""
+    engines.close()  # one split engine per process at a time
+    monkeypatch.setattr(launch, "start_rank_runner", profiled_ranks.start_rank_runner)
+    monkeypatch.setattr(startup, "cache_memory", profiled_ranks.profiling(startup.cache_memory))
+    monkeypatch.setattr(profiled_ranks, "PROFILED", [])
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert len(profiled_ranks.PROFILED) == 1  # rank 0's; rank 1 ran its own beside it
+        prompts, params = workload()
+        expected = one_device(qwen3_dir).generate(prompts, params)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [
+            o.token_ids for o in expected
+        ]
+    finally:
+        pids = llm.engine.workers.pids
+        llm.shutdown()
+        assert_gone(pids)
+
+
 def test_ctrl_c_lands_after_the_step_and_the_ranks_stay_in_step(
     setup: tuple[str, int], engines: Engines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -288,7 +317,7 @@ def test_three_ranks_cannot_split_four_heads(model: str, request: pytest.Fixture
     """Refused before any process starts (the autouse check sees no child)."""
     message = "tensor_parallel_size=3 must divide the model's 4 attention heads"
     with pytest.raises(ValueError, match=message):
-        LLM(request.getfixturevalue(model), tensor_parallel_size=3)
+        LLM(request.getfixturevalue(model), device="cpu", tensor_parallel_size=3)
 
 
 @pytest.mark.parametrize(("size", "shape", "message"), [
@@ -323,7 +352,7 @@ def test_quantized_weights_are_refused_before_any_process_starts(
     else:
         model, options, message = qwen2_dir, {"quantization": "int8"}, "quantization='int8'"
     with pytest.raises(ValueError, match=message):
-        LLM(model, tensor_parallel_size=2, **options)
+        LLM(model, device="cpu", tensor_parallel_size=2, **options)
 
 
 @pytest.mark.parametrize(
@@ -471,7 +500,7 @@ def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"):
-        LLM(str(broken), tensor_parallel_size=2)
+        LLM(str(broken), device="cpu", tensor_parallel_size=2)
     # (The autouse check: the worker that failed alike is gone too.)
 
 

@@ -80,7 +80,7 @@ def test_tools_and_call_history_reach_the_template(server: OpenAIServer, qwen3_d
     ]
     status, _, tokenized = call(server, "POST", "/tokenize", {"messages": history, "tools": TOOLS})
     assert status == 200
-    offline = LLM(qwen3_dir, dtype="float32", num_pages=64)
+    offline = LLM(qwen3_dir, device="cpu", dtype="float32", num_pages=64)
     parsed = [*history[:2], {**history[2], "content": "", "tool_calls": [{
         **history[2]["tool_calls"][0],
         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}, history[3]]

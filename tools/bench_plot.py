@@ -29,6 +29,7 @@ RUN_LABELS = {
 # Inches.
 PANEL_WIDTH, TITLE_HEIGHT, TTFT_PANEL_HEIGHT = 8.0, 0.4, 3.2
 BAR_PANEL_BASE, BAR_HEIGHT, LEGEND_HEIGHT = 1.0, 0.45, 0.6
+AXIS_LABELS_HEIGHT = 0.45  # an x axis's tick labels and label, below the axes
 
 
 def plot_result(result: Metrics, path: Path) -> None:
@@ -103,7 +104,13 @@ def draw_phases(axes: Any, result: Metrics) -> None:
     axes.set_xlim(0, 1)
     axes.set_xlabel("share of wall time")
     axes.set_title("Where the time goes")
-    axes.legend(fontsize="small", ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    # Below the tick labels and the axis label, the same distance whatever the panel's
+    # height (a fraction of the axes would reach into the label of a short panel).
+    from matplotlib.transforms import ScaledTranslation
+
+    below = axes.transAxes + ScaledTranslation(0, -AXIS_LABELS_HEIGHT, axes.figure.dpi_scale_trans)
+    axes.legend(fontsize="small", ncols=3, loc="upper center", bbox_to_anchor=(0.5, 0),
+                bbox_transform=below)
 
 
 def priorities(result: Metrics) -> list[str]:

@@ -9,9 +9,10 @@ is drawn by hand, so a picture changes when the code does:
     python -m tools.learn_pictures --out /tmp/pics  # anywhere else
 
 Without `--model` it builds the tiny Qwen3 checkpoint the tests use (seeded, and run in
-float32 on one thread: the same pictures every run, whatever the CPU; the step timings of
-`one_step.png` excepted, which are this machine's); the pictures of the mixture-of-experts
-and hybrid models are drawn from tiny checkpoints of those kinds (`KIND_PICTURES`).
+float32 on one CPU thread, on a GPU machine too: the same pictures every run, whatever the
+CPU; the step timings of `one_step.png` excepted, which are this machine's CPU's); the
+pictures of the mixture-of-experts and hybrid models are drawn from tiny checkpoints of
+those kinds (`KIND_PICTURES`).
 matplotlib is an optional extra: `pip install -e ".[plot]"`.
 """
 
@@ -40,7 +41,7 @@ from tools.bench_decode import STEP_PHASES, observe
 
 IMAGE_DIR = Path(__file__).resolve().parents[1] / "docs" / "learn" / "img"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-FLOAT32 = {"dtype": "float32"}  # every engine here: the same pictures on every CPU
+ON_THE_CPU = {"device": "cpu", "dtype": "float32"}  # every engine here: the same pictures anywhere
 
 
 class StepRecorder:
@@ -80,7 +81,8 @@ class PageTableSnapshot:
 def collect_page_table(model: str) -> PageTableSnapshot:
     """Three requests sharing a system prompt, one of them decoding, one mid-prefill, after
     an earlier request has finished and left its pages to the prefix cache."""
-    engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4, **FLOAT32)
+    engine = LLMEngine(model, page_size=4, num_pages=40, chunk_size=12, max_num_seqs=4,
+                       **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     system = list(range(10, 22))  # 12 tokens: three whole pages, shared by everyone
@@ -181,7 +183,7 @@ class TreeNode:
 def collect_radix_tree(model: str) -> tuple[TreeNode, int]:
     """The prefix cache after a three-turn chat and a second chat with the same system
     prompt; returns the tree and the number of pages the cache holds."""
-    engine = LLMEngine(model, page_size=8, num_pages=128, **FLOAT32)
+    engine = LLMEngine(model, page_size=8, num_pages=128, **ON_THE_CPU)
     tokenizer = engine.tokenizer
     params = SamplingParams(max_tokens=12, **GREEDY)
     system = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
@@ -248,7 +250,7 @@ class TimelineStep:
 def collect_timeline(model: str, chunk_size: int = 32) -> tuple[list[TimelineStep], int]:
     """Four requests decode while two long prompts arrive (at steps 4 and 9): each step
     carries every decode plus at most `chunk_size` prompt tokens."""
-    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size, **FLOAT32)
+    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=chunk_size, **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     arrivals = {0: [12, 14, 10, 16], 4: [150], 9: [90]}
@@ -309,7 +311,7 @@ def collect_speculation(model: str) -> list[Verification]:
     """Prompt-lookup speculation (4 guesses a step) on prompts that repeat themselves: every
     step of every request that got tokens, with what was guessed and what was kept."""
     engine = LLMEngine(model, speculative="ngram", num_speculative_tokens=4, page_size=8,
-                       num_pages=128, **FLOAT32)
+                       num_pages=128, **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     phrase = list(range(120, 132))
@@ -455,7 +457,7 @@ def collect_pool(model: str) -> list[PoolStep]:
     """Twelve requests with a shared prefix in a pool too small for all of them at once:
     pages fill, cached pages are evicted, and requests are preempted and recomputed."""
     engine = LLMEngine(model, page_size=8, num_pages=48, chunk_size=64, max_num_seqs=12,
-                       **FLOAT32)
+                       **ON_THE_CPU)
     shared = list(range(30, 62))
     for i in range(12):
         prompt = shared + [100 + 7 * i + j for j in range(8 + 6 * (i % 3))]
@@ -527,7 +529,7 @@ class PhaseClock:
 
 def collect_one_step(model: str) -> list[StepTiming]:
     """Three prompts, then a fourth arriving mid-flight: every step's phases on the clock."""
-    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=64, **FLOAT32)
+    engine = LLMEngine(model, page_size=8, num_pages=128, chunk_size=64, **ON_THE_CPU)
     clock = PhaseClock()
     observe(engine, clock)
     arrivals = {0: [40, 24, 8], 3: [56]}
@@ -615,7 +617,7 @@ def _serve_at(model: str, rate: float) -> LoadPoint:
         arrival += rng.expovariate(rate)  # Poisson: exponential gaps between arrivals
         arrivals.append(int(arrival))
     engine = LLMEngine(model, page_size=8, num_pages=256, chunk_size=64, max_num_seqs=LOAD_SEATS,
-                       **FLOAT32)
+                       **ON_THE_CPU)
     params = SamplingParams(max_tokens=LOAD_OUTPUT, **GREEDY)
     arrived, first, last = {}, {}, {}
     step = 0
@@ -687,7 +689,7 @@ def collect_policies(model: str) -> list[PolicyRun]:
     runs = []
     for policy in POLICY_ORDER:
         engine = LLMEngine(model, max_num_seqs=1, page_size=8, num_pages=128,
-                           scheduling_policy=policy, **FLOAT32)
+                           scheduling_policy=policy, **ON_THE_CPU)
         recorder = StepRecorder()
         observe(engine, recorder)
         token = iter(range(50, 10_000))
@@ -759,7 +761,7 @@ def collect_expert_load(model: str) -> ExpertLoad:
     """Twenty requests of mixed lengths, their prompts prefilled in chunks and their
     answers decoded in batches that shrink as requests finish: which experts each sparse
     layer's `route` chose, step by step, as the engine ran them."""
-    engine = LLMEngine(model, page_size=8, num_pages=256, chunk_size=96, **FLOAT32)
+    engine = LLMEngine(model, page_size=8, num_pages=256, chunk_size=96, **ON_THE_CPU)
     recorder = StepRecorder()
     observe(engine, recorder)
     blocks = [layer.mlp for layer in engine.runner.model.model.layers if hasattr(layer.mlp, "experts")]
@@ -833,7 +835,7 @@ def collect_pools(model: str) -> list[PoolsStep]:
     turn (its prompt, its reply, a new message) as soon as it finishes: KV pages and state
     slots side by side, step by step."""
     engine = LLMEngine(model, page_size=8, num_pages=100, chunk_size=64, max_num_seqs=8,
-                       **FLOAT32)
+                       **ON_THE_CPU)
     system = list(range(30, 78))  # six pages every request starts with
     arrivals = {6 * i: [(system + [100 + 9 * i + j for j in range(8 + 3 * i)], 16)] for i in range(10)}
     history: list[PoolsStep] = []

@@ -184,7 +184,7 @@ class CpuThreads:
                 if seconds is not None:
                     now[thread.native_id] = seconds
         # A thread first seen now started since the last read: all its time is new.
-        self.side_total += sum(seconds - self.side_threads.get(native_id, 0.0)
-                               for native_id, seconds in now.items())
+        for native_id, seconds in now.items():
+            self.side_total += seconds - self.side_threads.get(native_id, 0.0)
         self.side_threads = now
         return self.side_total

@@ -19,13 +19,20 @@ kinds:
   chunk shared by one long prompt and many short ones can need more than one whole
   chunk does; flashinfer's memory does not depend on how a step is split.)
 * **the graph pool**, where the captured CUDA graphs keep the temporaries of the largest
-  bucket's decode step for good.
+  bucket's decode step for good;
+* with a draft model, **the draft distributions** it keeps for verification: a float32
+  row over the vocabulary per draft of every sampled request (`max_num_seqs` × drafts ×
+  vocabulary × 4 bytes at most: 0.6 GB for 256 sequences of 4 drafts over Qwen's 151,936
+  tokens), counted, not measured, since they build up across steps.
 
 `profile_overhead` builds each of them with the backend that will serve and measures it
 with the CUDA allocator's counters, running the worst step through a runner like any step's
-(`runner.py`). It runs on a throwaway KV cache that holds one sequence of
-`max_model_len` tokens (which the real cache must hold anyway), whose pages every request
-of the profile shares: only memory is measured, never values.
+(`runner.py`). Every rank of a split model profiles its own slice in step with the others,
+on a plain runner (the workers serve no steps yet): the forward every step runs, whose
+all-reduces meet across the ranks; rank 0 alone gets logits and samples. It runs on a
+throwaway KV cache that holds one sequence of `max_model_len` tokens (which the real cache
+must hold anyway), whose pages every request of the profile shares: only memory is
+measured, never values.
 
 What attention needs in the worst step is also known without running it: each backend
 states an upper bound from the step's lengths (`AttentionBackend.step_memory`; the torch
@@ -80,19 +87,21 @@ class Overhead:
     resident: int = 0  # backend and graph-runner buffers, kept for good
     step: int = 0  # the worst step's activations, allocated and freed by every step
     graphs: int = 0  # the graph pool: the largest bucket's step, kept for good
+    draft_probs: int = 0  # a draft model's distributions, kept for verification
 
     @property
     def total(self) -> int:
-        return self.resident + self.step + self.graphs
+        return self.resident + self.step + self.graphs + self.draft_probs
 
     def __add__(self, other: Overhead) -> Overhead:
         return Overhead(self.resident + other.resident, self.step + other.step,
-                        self.graphs + other.graphs)
+                        self.graphs + other.graphs, self.draft_probs + other.draft_probs)
 
     def __str__(self) -> str:
+        drafts = f", draft distributions {self.draft_probs / GIB:.2f}" if self.draft_probs else ""
         return (
             f"{self.total / GIB:.2f} GiB (buffers {self.resident / GIB:.2f}, largest step "
-            f"{self.step / GIB:.2f}, CUDA graphs {self.graphs / GIB:.2f})"
+            f"{self.step / GIB:.2f}, CUDA graphs {self.graphs / GIB:.2f}{drafts})"
         )
 
 
@@ -129,8 +138,12 @@ def measure_overheads(
     """What `models` need beside their weights and KV caches, each measured running its
     worst step on a runner `make_runner` builds: the first (the target) with `max_proposed`
     tokens appended to every decode, the others (a draft model) without: they compute the
-    target's rows before any are appended, then one-token rows."""
+    target's rows before any are appended, then one-token rows. A draft model adds the
+    distributions its drafts came from (`draft_probs_bytes`)."""
     overhead = Overhead()
+    if len(models) > 1:
+        vocab_size = models[0].config.vocab_size
+        overhead.draft_probs = draft_probs_bytes(settings.max_num_seqs, max_proposed, vocab_size)
     for index, model in enumerate(models):
         worst = WorstStep(settings.max_num_seqs, settings.chunk_size, settings.max_model_len,
                           max_proposed if index == 0 else 0)
@@ -143,6 +156,12 @@ def measure_overheads(
             settings.page_size, memory, backend_class.__name__, attention_bytes,
         )
     return overhead
+
+
+def draft_probs_bytes(max_num_seqs: int, max_proposed: int, vocab_size: int) -> int:
+    """The most a draft model's kept distributions take: a float32 row over the target's
+    vocabulary for each draft of every sequence (`speculative/proposers.py`)."""
+    return max_num_seqs * max_proposed * vocab_size * 4
 
 
 def gpu_kv_memory(
@@ -281,10 +300,13 @@ def worst_step(
 
 
 def sample_every_row(runner: ModelRunner, rows: list[Row]) -> None:
-    """Run a step and sample every row of logits it computes (a verification samples each
-    of a row's rows: the sampler's largest call)."""
+    """Run a step as every step runs (`ModelRunner.forward`: on a split model each rank its
+    slice, in step with the others) and sample every row of logits it computes (a
+    verification samples each of a row's rows: the sampler's largest call). Only rank 0
+    gets logits and samples."""
     logits = runner.forward(runner.prepare(rows))
-    runner.sampler.sample(logits, [row.request for row in rows for _ in range(row.num_sampled)])
+    if logits is not None:
+        runner.sampler.sample(logits, [row.request for row in rows for _ in range(row.num_sampled)])
 
 
 def _peak_of(memory: MemoryCounters, run: Callable[[], object]) -> int:

@@ -150,8 +150,11 @@ def refuse(connection: socket.socket) -> None:
 
 
 def served_model_id(model: str) -> str:
-    """A local checkpoint's directory name; a hub id as it is."""
+    """A local checkpoint's directory name, a GGUF file's name without `.gguf`; a hub id
+    as it is."""
     path = Path(model)
+    if path.is_file():
+        return path.name.removesuffix(".gguf")
     return path.resolve().name if path.is_dir() else model
 
 
@@ -194,6 +197,7 @@ def make_server(
     try:
         if takes_port_first:
             server.listen()
+        logger.info("loading %s", model)  # once the port is ours: a taken one fails first
         engine = LLMEngine(model, **engine_options)
         if not takes_port_first:
             server.listen()

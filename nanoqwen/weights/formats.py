@@ -46,6 +46,12 @@ class FourBitCodes:
     scales: torch.Tensor  # float32 [out, in // GGUF_GROUP_SIZE]
     offsets: torch.Tensor  # float32, like scales
 
+    def weight(self) -> torch.Tensor:
+        """The float32 weight `[out, in]` the codes stand for."""
+        rows = self.codes.shape[0]
+        groups = self.codes.view(rows, -1, GGUF_GROUP_SIZE).float()
+        return groups.mul_(self.scales[..., None]).add_(self.offsets[..., None]).view(rows, -1)
+
     @classmethod
     def stacked(cls, parts: list[FourBitCodes]) -> FourBitCodes:
         """The parts' rows one after another, as a fused weight holds them."""
