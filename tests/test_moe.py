@@ -248,9 +248,10 @@ def test_a_decode_batch_runs_only_the_experts_it_routes_to() -> None:
     shape = MoeShape(HIDDEN, 64, 2, EXPERT_WIDTH, True, 0, 1, ())
     block = random_block(shape, seed=3)
     hidden = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(3))
-    routed = set(block.route(hidden)[0].flatten().tolist())
+    expert_ids, weights = block.route(hidden)
+    routed = set(expert_ids.flatten().tolist())
     with ExpertMatmuls(block.experts.gate_up_proj.weight) as calls:
-        block(hidden)
+        block.experts.grouped_loop(hidden, expert_ids, weights)
     assert sorted(calls.experts) == sorted(routed)  # each routed expert once, no other
     assert len(routed) < shape.num_experts
     assert calls.host_reads == ["tolist"]  # the counts, once
@@ -329,6 +330,29 @@ def test_the_grouped_gemm_path_matches_the_grouped_loop(tokens: int, k: int) -> 
         grouped = block.experts.grouped_gemm(hidden, expert_ids, weights)
     assert calls.host_reads == []
     close(grouped, block.experts.grouped_loop(hidden, expert_ids, weights))
+
+
+@pytest.mark.parametrize("tokens, dtype, hidden_size, grouped", [
+    (1, torch.float32, HIDDEN, False),  # 2 (token, k) pairs for 32 experts: the loop
+    (2, torch.float32, HIDDEN, True),  # 4 pairs, one per 8 experts: the grouped GEMM
+    (16, torch.bfloat16, HIDDEN, True),
+    (16, torch.float16, HIDDEN, True),
+    (16, torch.bfloat16, 36, False),  # rows of 72 bytes, not 16-byte aligned
+])
+@torch.inference_mode()
+def test_the_cpu_takes_the_grouped_gemm_for_enough_pairs_and_it_matches_the_loop(
+    tokens: int, dtype: torch.dtype, hidden_size: int, grouped: bool
+) -> None:
+    block = random_block(MoeShape(hidden_size, 32, 2, EXPERT_WIDTH, True, 0, 1, ()), seed=5)
+    block = block.to(dtype)
+    hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(5))
+    hidden = hidden.to(dtype)
+    expert_ids, weights = block.route(hidden)
+    with ExpertMatmuls(block.experts.gate_up_proj.weight) as calls:
+        ours = block.experts(hidden, expert_ids, weights)
+    assert (calls.experts == []) == grouped  # the grouped GEMM never calls `F.linear`
+    looped = block.experts.grouped_loop(hidden, expert_ids, weights)
+    torch.testing.assert_close(ours, looped, rtol=2e-2, atol=2e-2 * looped.abs().max().item())
 
 
 @pytest.mark.parametrize("config_class, moe, sparse", [

@@ -18,17 +18,23 @@ on every token reads all E experts' weights. Instead the block sorts the work:
     expert:    0        1     2      3    ...  E-1
     rows:   [0, c0)    ∅    ∅   [c0, c0+c3)  ...        (at decode, most experts get none)
 
-* CPU (`Experts.grouped_loop`, the lesson and the oracle): one bincount, read once by the
-  host, says where each expert's rows lie; each expert that received tokens runs one
-  SwiGLU on its rows, and `index_add_` adds them, weighted, into their tokens' outputs.
-* CUDA (`Experts.grouped_gemm`): torch's grouped GEMM (`F.grouped_mm`) multiplies every
-  group by its expert's weight in one kernel, the groups' ends (`offs`) a device tensor: no
-  host sync and fixed shapes, so a decode step can be captured in a CUDA graph.
+* The grouped loop (`Experts.grouped_loop`, the lesson and the oracle): one bincount, read
+  once by the host, says where each expert's rows lie; each expert that received tokens runs
+  one SwiGLU on its rows, and `index_add_` adds them, weighted, into their tokens' outputs.
+* The grouped GEMM (`Experts.grouped_gemm`): torch's grouped GEMM (`F.grouped_mm`) multiplies
+  every group by its expert's weight in one call, the groups' ends (`offs`) a tensor, and the
+  results go back to (token, k) order to be summed per token.
+* CUDA: the grouped GEMM where torch has a kernel for it (bf16 on sm90/sm100), with no host
+  sync and fixed shapes, so a decode step can be captured in a CUDA graph; the loop elsewhere.
+* CPU: torch's grouped GEMM walks all E groups, empty or not, in C++, while the loop pays a
+  few Python-dispatched ops per expert it runs. The loop is faster for very few (token, k)
+  pairs (one decoding token: k experts of E), the grouped GEMM from one pair per 8 experts
+  up (two tokens of Qwen3-MoE's top-8 of 128), so the step's pairs choose.
 
 Weights are stacked per layer, `experts.gate_up_proj.weight` `[E, 2·I, H]` (each expert's
 gate rows, then its up rows) and `experts.down_proj.weight` `[E, H, I]`, as transformers
-and Qwen3.5's checkpoints keep them: `weight[e]` is expert e's linear weight for the CPU
-path, `weight.transpose(1, 2)` the column-major operand the grouped GEMM wants. Checkpoints
+and Qwen3.5's checkpoints keep them: `weight[e]` is expert e's linear weight for the loop,
+`weight.transpose(1, 2)` the column-major operand the grouped GEMM wants. Checkpoints
 store experts one tensor per expert and part (`mlp.experts.3.gate_proj.weight`, on the hub
 and as transformers saves) or stacked (Qwen3.5, llama.cpp's `ffn_gate_exps`);
 `split_expert_stacks` cuts stacked ones into per-expert views read lazily, so the loader
@@ -125,7 +131,10 @@ class Experts(nn.Module):
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Σ over each token's k experts of weight × expert(token): this rank's partial sum."""
-        if runs_grouped_gemm(hidden, self.down_proj.weight.shape[-1]):
+        channels, pairs = self.down_proj.weight.shape[-1], expert_ids.numel()
+        if runs_grouped_gemm(hidden, channels) or grouped_gemm_pays_on_cpu(
+            hidden, channels, pairs, self.num_experts
+        ):
             return self.grouped_gemm(hidden, expert_ids, weights)
         return self.grouped_loop(hidden, expert_ids, weights)
 
@@ -150,7 +159,7 @@ class Experts(nn.Module):
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Every expert in two grouped GEMMs, with no host sync and shapes fixed by `[T, k]`
-        alone (CUDA-graph safe). Results go back to (token, k) order and are summed per
+        alone (CUDA-graph safe on the GPU). Results go back to (token, k) order and are summed per
         token, so no atomic adds make the sum's rounding depend on timing."""
         num_tokens, k = expert_ids.shape
         sorted_ids, order = sort_by_expert(expert_ids)
@@ -177,9 +186,9 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
 
 
 def runs_grouped_gemm(hidden: torch.Tensor, channels: int) -> bool:
-    """Does torch's grouped GEMM serve these experts without a host sync? Only its CUTLASS
-    kernel does (bf16 on sm90/sm100, rows 16-byte aligned); elsewhere torch loops over every
-    group with the sizes read on the host, where the grouped loop at least skips empty ones."""
+    """On a GPU, does torch's grouped GEMM serve these experts without a host sync? Only its
+    CUTLASS kernel does (bf16 on sm90/sm100, rows 16-byte aligned); on other GPUs torch loops
+    over every group with the sizes read on the host, where the grouped loop skips empty ones."""
     return grouped_gemm_serves(hidden.device, hidden.dtype, hidden.shape[-1], channels)
 
 
@@ -193,6 +202,24 @@ def grouped_gemm_serves(
         and hidden_size % 8 == 0
         and channels % 8 == 0
         and cuda_major(device.index) in (9, 10)
+    )
+
+
+def grouped_gemm_pays_on_cpu(
+    hidden: torch.Tensor, channels: int, pairs: int, num_experts: int
+) -> bool:
+    """Is torch's grouped GEMM the faster way to run a step's experts on the CPU? It walks
+    all E groups; the grouped loop runs ~6 ops from Python for each expert a pair routes to.
+    Measured on one thread, the loop wins below one (token, k) pair per 8 experts, the
+    grouped GEMM from there up. Its rows must be 16-byte aligned there too."""
+    row_bytes = hidden.element_size()
+    return (
+        hidden.device.type == "cpu"
+        and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and hasattr(F, "grouped_mm")
+        and hidden.shape[-1] * row_bytes % 16 == 0
+        and channels * row_bytes % 16 == 0
+        and 8 * pairs >= num_experts
     )
 
 
