@@ -5,8 +5,10 @@
 At a Qwen3-30B-A3B layer's shape (hidden 2048, 128 experts, top-8, expert width 768), for 1
 and 16 tokens, in bfloat16 and float32, the median and the best time of:
 
-* `grouped loop`: nanoqwen's CPU path, one SwiGLU per expert that received tokens;
-* `grouped_mm`: nanoqwen's CUDA path, torch's grouped GEMM, run here on the CPU;
+* `grouped loop`: one SwiGLU per expert that received tokens, nanoqwen's CPU path for
+  fewer (token, k) pairs than experts / 8 (here: 1 token);
+* `grouped_mm`: torch's grouped GEMM, nanoqwen's CPU path for more pairs (here: 16 tokens)
+  and its CUDA path;
 * `transformers`: transformers' eager experts loop (a mask and a host sync per routed expert);
 * `every expert`: every expert on every token, as a batched matmul, then weighted (what a
   path with fixed shapes and no grouped GEMM would compute).
