@@ -726,7 +726,7 @@ def test_goodput_counts_the_requests_that_met_every_objective() -> None:
     latencies = [{"ttft": 1.0, "tpot": 0.1}, {"ttft": 3.0, "tpot": 0.1}, {"ttft": 1.0}]
     # The second misses the TTFT objective; the third made one token: no TPOT to miss.
     figures = goodput(latencies, {"ttft": 2.0, "tpot": 0.2}, wall_s=4.0, total=4)
-    assert figures == {"goodput_req_s": 0.5, "goodput_share": 0.5}
+    assert figures == {"finished_req_s": 0.75, "goodput_req_s": 0.5, "goodput_share": 0.5}
 
 
 class FlakyServer(BaseHTTPRequestHandler):
@@ -788,6 +788,7 @@ def check_load_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> No
         assert 0 < figures[latency]["p50"] <= figures[latency]["p95"]
     assert figures.get("errors", 0) == 0
     assert 0 < figures["goodput_req_s"] and figures["goodput_share"] == 1.0
+    assert figures["finished_req_s"] == pytest.approx(spec.num_seqs / figures["wall_s"])
 
 
 def test_the_engine_at_request_rates(tmp_path: Path, qwen3_dir: str) -> None:
