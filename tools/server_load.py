@@ -27,7 +27,7 @@ import http.client
 import itertools
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -104,10 +104,10 @@ def probe(kind: str, n: int, model: str, rng: random.Random) -> Probe:
     return Probe(kind, "/v1/completions", json.dumps(body).encode(), stream=streams)
 
 
-def mix(model: str, seed: int) -> Iterator[Probe]:
+def mix(model: str, seed: int, kinds: Sequence[str] = KINDS) -> Iterator[Probe]:
     """The endless stream of requests: the kinds in turn, numbered over the whole run."""
     rng = random.Random(seed)
-    for n, kind in enumerate(itertools.cycle(KINDS)):
+    for n, kind in enumerate(itertools.cycle(kinds)):
         yield probe(kind, n, model, rng)
 
 
@@ -147,8 +147,9 @@ def resident_mib(pid: int) -> tuple[float, float]:
     return process.memory_info().rss / MIB, children / MIB
 
 
-def run(endpoint: Endpoint, rounds: int, per_round: int, concurrency: int, seed: int) -> None:
-    requests = mix(endpoint.model, seed)
+def run(endpoint: Endpoint, rounds: int, per_round: int, concurrency: int, seed: int,
+        kinds: Sequence[str]) -> None:
+    requests = mix(endpoint.model, seed, kinds)
     print(f"{'round':>5} {'requests':>8} {'failed':>6} {'server MiB':>10} {'children MiB':>12}")
     with ThreadPoolExecutor(concurrency, thread_name_prefix="client") as pool:
         for round_number in range(1, rounds + 1):
@@ -169,9 +170,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--threads", type=int, default=1, help="the server's CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="the requests of the mix, comma-separated: to tell which one grows")
+    parser.add_argument("--engine-options", type=json.loads, default={}, metavar="JSON",
+                        help='serve.py options, e.g. \'{"prefix_cache": false}\'')
     args = parser.parse_args()
-    with nanoqwen_server(args.model, {}, args.threads) as endpoint:
-        run(endpoint, args.rounds, args.requests, args.concurrency, args.seed)
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(unknown)}; the kinds are {', '.join(KINDS)}")
+    with nanoqwen_server(args.model, args.engine_options, args.threads) as endpoint:
+        run(endpoint, args.rounds, args.requests, args.concurrency, args.seed, kinds)
 
 
 if __name__ == "__main__":
