@@ -7,9 +7,9 @@ state left behind when a request finishes, a label set per client in its metrics
 with every request, slowly enough that no single test notices. So this starts `serve.py`
 (`bench_servers.nanoqwen_server`), sends it round after round of the same mix of
 requests and, after each round, reads the resident memory (RSS) of the server's process
-and of its children (the grammar sandbox's worker): a server without a leak climbs over
-the first rounds (allocator pools, caches filling up to their bounds, lazily built
-pieces) and then stays level.
+and of its children (the grammar sandbox's worker), and how many KV pages the prefix cache
+holds (from `/metrics`): a server without a leak climbs over the first rounds (allocator
+pools, caches filling up to their bounds, lazily built pieces) and then stays level.
 
 **The mix** (`KINDS`, in turn): chat and completions, streamed and not; a JSON schema and
 a regex that no earlier request used (each one a fresh grammar compile and a new entry in
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from tools.bench_servers import nanoqwen_server
 from tools.bench_serving import Endpoint
@@ -147,17 +148,31 @@ def resident_mib(pid: int) -> tuple[float, float]:
     return process.memory_info().rss / MIB, children / MIB
 
 
+def cached_pages(endpoint: Endpoint) -> int:
+    """KV pages the prefix cache holds now (its growth is bounded by the KV cache's size)."""
+    connection = endpoint.connection(READ_TIMEOUT_SECONDS)
+    try:
+        connection.request("GET", "/metrics")
+        page = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    return sum(int(sample.value) for family in text_string_to_metric_families(page)
+               for sample in family.samples
+               if sample.name == "nanoqwen_kv_pages" and sample.labels == {"state": "cached"})
+
+
 def run(endpoint: Endpoint, rounds: int, per_round: int, concurrency: int, seed: int,
         kinds: Sequence[str]) -> None:
     requests = mix(endpoint.model, seed, kinds)
-    print(f"{'round':>5} {'requests':>8} {'failed':>6} {'server MiB':>10} {'children MiB':>12}")
+    print(f"{'round':>5} {'requests':>8} {'failed':>6} {'cached pages':>12} {'server MiB':>10} "
+          f"{'children MiB':>12}")
     with ThreadPoolExecutor(concurrency, thread_name_prefix="client") as pool:
         for round_number in range(1, rounds + 1):
             batch = list(itertools.islice(requests, per_round))
             problems = [p for p in pool.map(lambda p: send(endpoint, p), batch) if p]
             server, children = resident_mib(endpoint.pid)
             print(f"{round_number:>5} {round_number * per_round:>8} {len(problems):>6} "
-                  f"{server:>10.1f} {children:>12.1f}", flush=True)
+                  f"{cached_pages(endpoint):>12} {server:>10.1f} {children:>12.1f}", flush=True)
             for problem in sorted(set(problems))[:3]:
                 print(f"      {problem}")
 
