@@ -7,6 +7,7 @@ imported and tested directly. No test looks at how fast anything was.
 
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -726,7 +727,7 @@ def test_goodput_counts_the_requests_that_met_every_objective() -> None:
     latencies = [{"ttft": 1.0, "tpot": 0.1}, {"ttft": 3.0, "tpot": 0.1}, {"ttft": 1.0}]
     # The second misses the TTFT objective; the third made one token: no TPOT to miss.
     figures = goodput(latencies, {"ttft": 2.0, "tpot": 0.2}, wall_s=4.0, total=4)
-    assert figures == {"goodput_req_s": 0.5, "goodput_share": 0.5}
+    assert figures == {"finished_req_s": 0.75, "goodput_req_s": 0.5, "goodput_share": 0.5}
 
 
 class FlakyServer(BaseHTTPRequestHandler):
@@ -788,6 +789,7 @@ def check_load_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> No
         assert 0 < figures[latency]["p50"] <= figures[latency]["p95"]
     assert figures.get("errors", 0) == 0
     assert 0 < figures["goodput_req_s"] and figures["goodput_share"] == 1.0
+    assert figures["finished_req_s"] == pytest.approx(spec.num_seqs / figures["wall_s"])
 
 
 def test_the_engine_at_request_rates(tmp_path: Path, qwen3_dir: str) -> None:
@@ -923,3 +925,21 @@ def test_the_report_names_the_parameters_a_token_uses() -> None:
     assert parameters(moe) == "Qwen3MoeForCausalLM, 30.5B parameters, 3.4B per token"
     dense = {"architecture": "Qwen3ForCausalLM", "parameters": 21_730_944, "active_parameters": 21_730_944}
     assert parameters(dense) == "Qwen3ForCausalLM, 21.7M parameters"
+
+
+def test_the_load_mix_takes_every_kind_in_turn_with_new_grammars_and_judges_answers() -> None:
+    from tools.server_load import KINDS, check, mix
+
+    probes = list(itertools.islice(mix("m", seed=0), 2 * len(KINDS)))
+    assert [p.kind for p in probes] == [*KINDS, *KINDS]
+    grammars = [json.loads(p.body).get("response_format") or json.loads(p.body)["structured_outputs"]
+                for p in probes if p.kind in ("json_schema", "regex")]
+    assert len({json.dumps(g) for g in grammars}) == 4  # no grammar twice
+    malformed = [p for p in probes if p.kind == "malformed"]
+    assert all(p.expect_error for p in malformed) and malformed[0].body != malformed[1].body
+    chat = probes[KINDS.index("chat_stream")]
+    assert check(chat, 200, b'data: {"choices": []}\n\ndata: [DONE]\n\n') is None
+    assert "without [DONE]" in check(chat, 200, b'data: {"choices": []}\n\n')
+    assert "500" in check(chat, 500, b"{}")
+    assert check(malformed[0], 400, b"{}") is None
+    assert "not a 4xx" in check(malformed[0], 200, b"{}")

@@ -140,6 +140,26 @@ def test_compiled_grammars_are_cached_by_spec_within_a_bound(
         grammar.cache_key(StructuredOutput(regex="[a-z]+"))}
 
 
+def test_the_grammar_cache_is_bounded_in_entries_and_counts_its_keys(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = grammar.GrammarCompiler(llm.tokenizer.hf_tokenizer,
+                                       llm.engine.model_config.vocab_size, [0])
+    monkeypatch.setattr(grammar, "CACHE_ENTRIES", 3)
+    for n in range(5):  # a client sending a new schema every time
+        compiler.compile(StructuredOutput(regex=f"id-{n}"))
+    assert list(compiler._cache) == [grammar.cache_key(StructuredOutput(regex=f"id-{n}"))
+                                     for n in (2, 3, 4)]
+    # A long schema may compile to a small grammar: its key counts against the bytes too.
+    monkeypatch.setattr(grammar, "CACHE_ENTRIES", 100)
+    long = [StructuredOutput(json={"type": "integer", "description": f"{n}" * 20_000})
+            for n in range(2)]
+    small = compiler.compile(long[0]).memory_size_bytes
+    monkeypatch.setattr(grammar, "CACHE_BYTES", 3 * small + 30_000)  # both grammars fit
+    compiler.compile(long[1])
+    assert list(compiler._cache) == [grammar.cache_key(long[1])]
+
+
 # ---------------------------------------------------------------------------- the server
 def hold_steps_until(server: OpenAIServer, count: int) -> None:
     """Steps do nothing until `count` requests are in the engine, so that they share

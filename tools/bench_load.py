@@ -91,11 +91,13 @@ def goodput(
     total: int,
 ) -> dict[str, float]:
     """Requests per second that met every objective, and their share of all `total`
-    requests. `latencies` holds each finished request's ttft, tpot and e2e in seconds (a
-    request that made one token has no tpot, which then counts as met)."""
+    requests, beside the rate of all finished ones (the throughput goodput falls short of).
+    `latencies` holds each finished request's ttft, tpot and e2e in seconds (a request that
+    made one token has no tpot, which then counts as met)."""
     met = sum(
         all(request.get(key, 0.0) <= limit for key, limit in objectives.items())
         for request in latencies
     )
-    return {"goodput_req_s": met / wall_s if wall_s > 0 else 0.0,
+    per_second = 1 / wall_s if wall_s > 0 else 0.0
+    return {"finished_req_s": len(latencies) * per_second, "goodput_req_s": met * per_second,
             "goodput_share": met / max(total, 1)}

@@ -289,7 +289,8 @@ def print_load_report(console: Console, result: Metrics) -> None:
     )
     table = Table(title="Under load: by engine and request rate")
     for name in ("engine", "rate (req/s)", "output tok/s", "vs engine", "TTFT P50 / P95 (ms)",
-                 "TPOT P50 / P95 (ms)", "goodput (req/s)", "errors", "same text"):
+                 "TPOT P50 / P95 (ms)", "finished (req/s)", "goodput (req/s)", "errors",
+                 "same text"):
         table.add_column(name, justify="left" if name == "engine" else "right")
     ratios = result.get("vs_engine", {})
     for label, by_rate in result["load"].items():
@@ -299,6 +300,7 @@ def print_load_report(console: Console, result: Metrics) -> None:
                 label, rate, f"{figures['output_tok_s']:.1f}",
                 "" if ratio is None else f"{ratio:.2f}x",
                 _p50_p95(figures["ttft_ms"]), _p50_p95(figures["tpot_ms"]),
+                f"{figures['finished_req_s']:.2f}",
                 f"{figures['goodput_req_s']:.2f} ({figures['goodput_share']:.0%})",
                 str(figures.get("errors", 0)),
                 f"{figures['agreement']:.1%}" if "agreement" in figures else "",

@@ -97,7 +97,7 @@ def running_server(command: list[str], environment: dict[str, str], port: int,
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=environment)
         try:
-            endpoint = Endpoint(f"http://127.0.0.1:{port}")
+            endpoint = Endpoint(f"http://127.0.0.1:{port}", pid=process.pid)
             wait_until_healthy(process, endpoint, log, label)
             endpoint.model = endpoint.served_model()
             yield endpoint

@@ -56,10 +56,12 @@ class ServedRequest:
 
 @dataclass
 class Endpoint:
-    """A server's base URL (`http://host:port`) and the model id it serves."""
+    """A server's base URL (`http://host:port`), the model id it serves, and its process id
+    when this machine started it (`bench_servers.running_server`)."""
 
     url: str
     model: str = field(default="")
+    pid: int | None = None
 
     def connection(self, timeout: float = READ_TIMEOUT_SECONDS) -> http.client.HTTPConnection:
         parts = urlsplit(self.url)

@@ -239,6 +239,24 @@ def generate_corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
 
 
 # --------------------------------------------------------------------------- benchmark presets
+# The architecture of Qwen3 scaled down so that a benchmark, transformers included, runs
+# in minutes on a couple of CPU cores; the MoE and hybrid CPU presets are built from it.
+QWEN3_CPU: dict[str, Any] = dict(
+    model_type="qwen3",
+    vocab_size=32000,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    dtype="float32",
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The shape of Qwen/Qwen3-0.6B: a GPU-sized model.
     "qwen3-0.6b": dict(
@@ -271,23 +289,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         dtype="bfloat16",
     ),
-    # The same architecture scaled down so that a benchmark, transformers included, runs
-    # in minutes on a couple of CPU cores.
-    "qwen3-cpu": dict(
-        model_type="qwen3",
-        vocab_size=32000,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        dtype="float32",
-    ),
+    "qwen3-cpu": QWEN3_CPU,
     # The shape of Qwen/Qwen3-30B-A3B, the mixture of experts most run on their own machines:
     # 128 experts of width 768, 8 per token. 30.5B parameters, 3.3B of them per token: a GPU's.
     "qwen3-30b-a3b": dict(
@@ -311,49 +313,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # `qwen3-cpu` with Qwen3-30B-A3B's experts in place of its MLPs: 128 experts of width
     # 128, 8 per token, so a token runs the 1024 MLP channels `qwen3-cpu` runs, out of 16384.
-    "qwen3-moe-cpu": dict(
-        model_type="qwen3_moe",
-        vocab_size=32000,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=128,
-        norm_topk_prob=True,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        dtype="float32",
-    ),
+    "qwen3-moe-cpu": {
+        **QWEN3_CPU, "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 128, "norm_topk_prob": True,
+    },
     # `qwen3-cpu` as Qwen3.5 (dense) builds it: of its 6 layers, layer 4 is gated full
     # attention and the rest Gated DeltaNet, each of about the attention's parameters
     # (q and k in 2 heads of 64, v in 4, as Qwen3.5 has twice the value heads).
-    "qwen3.5-cpu": dict(
-        model_type="qwen3_5_text",
-        vocab_size=32000,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                         "partial_rotary_factor": 0.25},
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        dtype="float32",
-    ),
+    "qwen3.5-cpu": {
+        **QWEN3_CPU, "model_type": "qwen3_5_text", "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                            "partial_rotary_factor": 0.25},
+    },
 }
 # The model types a config.json may name (transformers' names).
 MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_text",

@@ -20,12 +20,12 @@ vLLM and SGLang use, with the same library (xgrammar), works token by token:
   its `error` said (finish_reason "error"): never the others of its step.
 
 `GrammarCompiler` keeps what it compiled, by spec, in a least-recently-used cache bounded
-in bytes (`CACHE_BYTES`); the same schema sent again costs a lookup. Compiling a hostile
-grammar can take minutes and gigabytes, and native code cannot be interrupted, so a
-server compiles under a `CompileBudget`: the grammar is first compiled in a worker
-process, stopped past the budget's time or memory, or when the caller gives up
-(`grammar_sandbox.py`), and only a grammar that passed is compiled here, one at a time,
-on a thread of its own. Masks are filled on the host and applied where the logits live.
+in bytes (`CACHE_BYTES`, the grammars and their keys) and in entries (`CACHE_ENTRIES`);
+the same schema sent again costs a lookup. Compiling a hostile grammar can take minutes
+and gigabytes, and native code cannot be interrupted, so a server compiles under a
+`CompileBudget`: the grammar is first compiled in a worker process, stopped past the
+budget's time or memory, or when the caller gives up (`grammar_sandbox.py`), and only a
+grammar that passed is compiled here, one at a time, on a thread of its own. Masks are filled on the host and applied where the logits live.
 Invariant: a matcher has accepted exactly the request's generated tokens.
 """
 
@@ -50,6 +50,9 @@ from nanoqwen.sampling.sampler import LogitsProcessor
 from nanoqwen.sampling.structured import CompileBudget, StructuredOutput
 
 CACHE_BYTES = 128 << 20  # compiled grammars kept for reuse (xgrammar's measure; RSS is ~2x)
+# However small they are: each entry costs some kilobytes more than xgrammar counts, so a
+# client that sends a new schema every time would otherwise grow the server for long.
+CACHE_ENTRIES = 1024
 # Where a compiler error message begins: xgrammar prefixes "[time] file.cc:line: ".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
 EMPTY_GRAMMAR = "it admits no output (a rule that is only a reference to itself?)"
@@ -95,6 +98,12 @@ def _compile(compiler: xgrammar.GrammarCompiler, spec: StructuredOutput) -> Any:
 def cache_key(spec: StructuredOutput) -> str:
     """The same grammar asked for twice gets the same key (dicts in any key order)."""
     return json.dumps(astuple(spec), sort_keys=True, ensure_ascii=False)
+
+
+def _entry_bytes(key: str, compiled: Any) -> int:
+    """What one cache entry holds: the grammar, and its key (a schema up to 64 KiB, which
+    may compile to far less)."""
+    return compiled.memory_size_bytes + len(key)
 
 
 class GrammarCompiler:
@@ -194,9 +203,10 @@ class GrammarCompiler:
         with self._lock:
             self._cache[key] = self._alive[key] = compiled
             self._cache.move_to_end(key)
-            total = sum(grammar.memory_size_bytes for grammar in self._cache.values())
-            while total > CACHE_BYTES and len(self._cache) > 1:
-                total -= self._cache.popitem(last=False)[1].memory_size_bytes
+            total = sum(_entry_bytes(*entry) for entry in self._cache.items())
+            while len(self._cache) > 1 and (total > CACHE_BYTES
+                                            or len(self._cache) > CACHE_ENTRIES):
+                total -= _entry_bytes(*self._cache.popitem(last=False))
         return compiled
 
     def _xgrammar(self) -> xgrammar.GrammarCompiler:
