@@ -61,13 +61,19 @@ OPTIONS = dict(
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Children that live as long as the test process, whatever the engines do:
+# multiprocessing's resource tracker, and the grammar sandbox's worker (one per process,
+# started by whichever earlier test in this process compiled a grammar).
+LIFELONG_CHILDREN = ("resource_tracker", "nanoqwen.sampling.grammar_worker")
+
+
 def helper_processes() -> set[int]:
-    """Our child processes, but for multiprocessing's resource tracker (it lives as long
-    as the test process, whatever the engines do)."""
-    return {
-        child.pid for child in psutil.Process().children(recursive=True)
-        if "resource_tracker" not in " ".join(child.cmdline())
-    }
+    """Our child processes, but for the lifelong ones, and their own children."""
+    lifelong = [child for child in psutil.Process().children()
+                if any(name in " ".join(child.cmdline()) for name in LIFELONG_CHILDREN)]
+    theirs = {process.pid for child in lifelong
+              for process in [child, *child.children(recursive=True)]}
+    return {child.pid for child in psutil.Process().children(recursive=True)} - theirs
 
 
 def assert_gone(pids: list[int], within: float = 10.0) -> None:

@@ -76,6 +76,9 @@ LEFT_OUT = {
         "cuda-python": "a meta-package over cuda-bindings, which the image has",
         "playwright": "only the chat page's browser tests import it, and skip without it; "
                       "its wheel alone weighs tens of MiB",
+        "pytest-xdist": "spreads the CPU tests over processes through pyproject's addopts, "
+                        "which tools/gpu_check.sh drops: the GPU tests run in one process, "
+                        "each with the whole GPU",
     }.items()
 }
 
