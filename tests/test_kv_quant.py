@@ -16,11 +16,10 @@ states how far off it may be and why:
 
 import logging
 
-import click
 import fake_flashinfer
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_options import parse_engine_options
 from cuda_helpers import build_model_64
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +36,6 @@ from nanoqwen.attention.flashinfer_backend import (
 )
 from nanoqwen.attention.registry import attention_backend_class
 from nanoqwen.attention.torch_backend import TorchBackend
-from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import KV_CACHE_DTYPES
 from nanoqwen.memory.kv_quant import (
     TENSOR_SCALE,
@@ -455,13 +453,6 @@ def test_flashinfer_with_an_int8_kv_cache_is_refused(qwen3_dir: str) -> None:
 
 
 def test_the_command_line_option_reaches_the_engine_config() -> None:
-    seen = {}
-
-    @click.command()
-    @engine_options
-    def command(**options: object) -> None:
-        seen.update(pop_engine_options(options))
-
-    assert CliRunner().invoke(command, ["--kv-cache-dtype", "fp8_e4m3"]).exit_code == 0
-    assert seen["kv_cache_dtype"] == "fp8_e4m3"
-    assert CliRunner().invoke(command, ["--kv-cache-dtype", "int3"]).exit_code != 0
+    code, seen = parse_engine_options(["--kv-cache-dtype", "fp8_e4m3"])
+    assert code == 0 and seen["kv_cache_dtype"] == "fp8_e4m3"
+    assert parse_engine_options(["--kv-cache-dtype", "int3"])[0] != 0

@@ -3,9 +3,8 @@ between users), the cap per user, and deadlines counted: who runs first, that ea
 bounded wait, that none changes an output token or loses a page, and the server's `deadline`
 and `user` fields."""
 
-import click
 import pytest
-from click.testing import CliRunner
+from cli_options import parse_engine_options
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
 from server_helpers import (
     GREEDY,
@@ -20,7 +19,6 @@ from server_helpers import (
 )
 
 from nanoqwen import LLM, LLMEngine
-from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import SCHEDULING_POLICIES, EngineConfig
 from nanoqwen.scheduling.policies import (
     EarliestDeadline,
@@ -261,26 +259,16 @@ def test_the_engine_picks_the_policy_class(qwen2_dir: str) -> None:
 
 
 def test_command_line_options() -> None:
-    seen = {}
-
-    @click.command()
-    @engine_options
-    def command(**options: object) -> None:
-        seen.clear()
-        seen.update(pop_engine_options(options))
-
-    runner = CliRunner()
-    options = ["--scheduling-policy", "fair", "--max-seqs-per-user", "3",
-               "--default-deadline", "2.5"]
-    result = runner.invoke(command, options)
-    assert result.exit_code == 0, result.output
+    code, seen = parse_engine_options(["--scheduling-policy", "fair", "--max-seqs-per-user", "3",
+                                       "--default-deadline", "2.5"])
+    assert code == 0
     assert (seen["scheduling_policy"], seen["max_seqs_per_user"]) == ("fair", 3)
     assert seen["default_deadline"] == 2.5
-    runner.invoke(command, [])
+    code, seen = parse_engine_options([])
     assert "max_seqs_per_user" not in seen and seen["scheduling_policy"] == "fcfs"
     for bad in (["--scheduling-policy", "edf"], ["--max-seqs-per-user", "0"],
                 ["--default-deadline", "0"]):
-        assert runner.invoke(command, bad).exit_code == 2
+        assert parse_engine_options(bad)[0] == 2
 
 
 # --------------------------------------------------------------------------- the server

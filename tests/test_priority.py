@@ -5,9 +5,8 @@ import itertools
 import random
 from fractions import Fraction
 
-import click
 import pytest
-from click.testing import CliRunner
+from cli_options import parse_engine_options
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts, run_to_completion
@@ -24,7 +23,6 @@ from server_helpers import (
 )
 
 from nanoqwen import LLM, LLMEngine
-from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import EngineConfig
 from nanoqwen.scheduling.request import Request, Status
 from nanoqwen.scheduling.waiting_queue import PRIORITY_RANGE, Policy, WaitingQueue
@@ -145,22 +143,14 @@ def test_stream_and_chat_take_a_priority(qwen2_dir: str) -> None:
 
 
 def test_command_line_options() -> None:
-    seen = {}
-
-    @click.command()
-    @engine_options
-    def command(**options: object) -> None:
-        seen.update(pop_engine_options(options))
-
-    runner = CliRunner()
-    options = ["--scheduling-policy", "priority", "--priority-aging-steps", "8"]
-    result = runner.invoke(command, options)
-    assert result.exit_code == 0, result.output
+    code, seen = parse_engine_options(["--scheduling-policy", "priority",
+                                       "--priority-aging-steps", "8"])
+    assert code == 0
     assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("priority", 8)
-    runner.invoke(command, [])
+    code, seen = parse_engine_options([])
     assert (seen["scheduling_policy"], seen["priority_aging_steps"]) == ("fcfs", 1024)
-    assert runner.invoke(command, ["--scheduling-policy", "lifo"]).exit_code == 2
-    assert runner.invoke(command, ["--priority-aging-steps", "-1"]).exit_code == 2
+    assert parse_engine_options(["--scheduling-policy", "lifo"])[0] == 2
+    assert parse_engine_options(["--priority-aging-steps", "-1"])[0] == 2
 
 
 # --------------------------------------------------------------------------- order

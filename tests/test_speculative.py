@@ -5,16 +5,14 @@ import itertools
 from collections import Counter
 from pathlib import Path
 
-import click
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_options import parse_engine_options
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import check_page_accounting, greedy, random_prompts
 
 from nanoqwen import LLM, LLMEngine, SamplingParams
-from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.sampling.penalties import Penalties
 from nanoqwen.sampling.sampler import Sampler
@@ -564,17 +562,10 @@ def test_draft_model_must_share_the_tokenizer(qwen3_dir: str, tmp_path: Path) ->
 
 
 def test_command_line_options_reach_the_engine() -> None:
-    seen = {}
-
-    @click.command()
-    @engine_options
-    def command(**options) -> None:
-        seen.update(pop_engine_options(options))
-
     args = ["--speculative", "draft", "--draft-model", "d", "--num-speculative-tokens", "3",
             "--ngram-min", "1", "--ngram-max", "5"]
-    result = CliRunner().invoke(command, args)
-    assert result.exit_code == 0, result.output
+    code, seen = parse_engine_options(args)
+    assert code == 0
     assert seen["speculative"] == "draft" and seen["draft_model"] == "d"
     assert (seen["num_speculative_tokens"], seen["ngram_min"], seen["ngram_max"]) == (3, 1, 5)
 

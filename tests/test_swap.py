@@ -5,14 +5,12 @@ models with recurrent layers refuse."""
 
 import functools
 
-import click
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_options import parse_engine_options
 from oracle import greedy, random_prompts, run_to_completion
 
 from nanoqwen import LLM, LLMEngine
-from nanoqwen.cli import engine_options, pop_engine_options
 from nanoqwen.config import EngineConfig
 from nanoqwen.memory.kv_cache import KVCache
 from nanoqwen.memory.kv_quant import QuantizedKVCache
@@ -159,16 +157,8 @@ def test_settings_are_validated() -> None:
 
 
 def test_command_line_options() -> None:
-    seen = {}
-
-    @click.command()
-    @engine_options
-    def command(**options: object) -> None:
-        seen.update(pop_engine_options(options))
-
-    runner = CliRunner()
-    result = runner.invoke(command, ["--preemption-mode", "swap", "--swap-space", "4e9"])
-    assert result.exit_code == 0, result.output
+    code, seen = parse_engine_options(["--preemption-mode", "swap", "--swap-space", "4e9"])
+    assert code == 0
     assert (seen["preemption_mode"], seen["swap_space"]) == ("swap", 4_000_000_000)
-    assert runner.invoke(command, ["--preemption-mode", "drop"]).exit_code == 2
-    assert runner.invoke(command, ["--swap-space", "-1"]).exit_code == 2
+    assert parse_engine_options(["--preemption-mode", "drop"])[0] == 2
+    assert parse_engine_options(["--swap-space", "-1"])[0] == 2
