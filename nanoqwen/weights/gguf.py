@@ -24,6 +24,7 @@ one tensor per part (`blk.N.ffn_gate_exps.weight` `[E, rows, cols]`, the router 
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections import Counter
@@ -127,32 +128,49 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def iter_gguf_tensors(
     path: str, checkpoint_names: Iterable[str], num_layers: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, float32 tensor) for every tensor of the file, one at a time.
+) -> Iterator[tuple[str, FileTensor]]:
+    """Yield (name, tensor) for every tensor of the file, one at a time, each read from the
+    file only where it is indexed (`FileTensor`).
 
     Tensors come named as `checkpoint_names` (transformers' names, e.g.
     `model.layers.0.self_attn.q_proj.weight`) when one of them maps to the tensor's GGUF
     name, and under their GGUF name otherwise, for the loader to reject as unexpected.
+    Once the loader asks for the next tensor, the pages of the last one's memory map are
+    dropped: the file, read once, does not stay in the process's memory.
     """
-    for name, tensor in named_tensors(path, checkpoint_names, num_layers):
-        yield name, dequantize(tensor, path)
+    reader = open_gguf(path)
+    for name, tensor in named_tensors(reader, path, checkpoint_names, num_layers):
+        yield name, FileTensor(tensor, path)
+        reader.drop_pages(tensor)
 
 
-def iter_gguf_four_bit_codes(
-    path: str, checkpoint_names: Iterable[str], num_layers: int
-) -> Iterator[tuple[str, FourBitCodes]]:
-    """Yield (name, codes) for every matrix stored in a 4-bit type (Q4_0, Q4_1, Q4_K),
-    named as `iter_gguf_tensors` names them: the file's own codes and group scales. The
-    experts' stacks (3-D) are left out: they keep their dequantized weights."""
-    for name, tensor in named_tensors(path, checkpoint_names, num_layers):
-        if tensor.tensor_type in FOUR_BIT_TYPES and len(tensor.shape) == 2:
-            yield name, four_bit_codes(tensor)
+class FileTensor:
+    """A tensor of the file that reads, and dequantizes to float32, only the rows it is
+    indexed with, as a safetensors slice does (`model.loading.TensorSlice`): a block
+    quantization packs each row into whole blocks, so rows can be read on their own."""
+
+    def __init__(self, tensor: gguf.ReaderTensor, path: str) -> None:
+        self.tensor, self.path = tensor, path
+        # `data`'s last axis is a row's bytes (or values, for F32/F16/BF16).
+        self.shape = (*tensor.data.shape[:-1], int(tensor.shape[0]))
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows, columns = index[: len(self.shape) - 1], index[len(self.shape) - 1 :]
+        values = dequantize(self.tensor.tensor_type, self.tensor.data[rows], self.tensor.name, self.path)
+        return values[(..., *columns)] if columns else values
+
+    def four_bit_codes(self) -> FourBitCodes | None:
+        """The file's own codes of a matrix stored in a 4-bit type, else None (the experts'
+        3-D stacks too: they keep their dequantized weights)."""
+        if self.tensor.tensor_type in FOUR_BIT_TYPES and len(self.shape) == 2:
+            return four_bit_codes(self.tensor)
+        return None
 
 
 def named_tensors(
-    path: str, checkpoint_names: Iterable[str], num_layers: int
+    reader: gguf.GGUFReader, path: str, checkpoint_names: Iterable[str], num_layers: int
 ) -> Iterator[tuple[str, gguf.ReaderTensor]]:
-    reader = open_gguf(path)
     gguf_arch = ARCHITECTURES[gguf_architecture(reader, path)][0]
     tensor_names = gguf.get_tensor_name_map(gguf_arch, num_layers)
     by_gguf_name = {}
@@ -166,17 +184,23 @@ def named_tensors(
 
 
 def four_bit_codes(tensor: gguf.ReaderTensor) -> FourBitCodes:
-    """A Q4_0, Q4_1 or Q4_K tensor's codes, and each 32-value group's scale and offset.
+    """A Q4_0, Q4_1 or Q4_K matrix's codes, and each 32-value group's scale and offset."""
+    return codes_of(tensor.tensor_type, tensor.data)
+
+
+def codes_of(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> FourBitCodes:
+    """The codes, scales and offsets of rows of 4-bit blocks (`data`: `[..., row bytes]`),
+    a row of `FourBitCodes` each.
 
     A block starts with its float16 scales and ends with its codes, two to a byte: the low
     nibbles of a run of bytes are one run of values, their high nibbles the next.
     """
-    codes_start, run = FOUR_BIT_TYPES[tensor.tensor_type]
-    rows = tensor.data.shape[0]
-    blocks = tensor.data.reshape(-1, gguf.GGML_QUANT_SIZES[tensor.tensor_type][1])
+    codes_start, run = FOUR_BIT_TYPES[qtype]
+    rows = int(np.prod(data.shape[:-1]))
+    blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
     packed = blocks[:, codes_start:].reshape(len(blocks), -1, 1, run)
     codes = (packed >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    scales, offsets = group_scales(tensor.tensor_type, blocks)
+    scales, offsets = group_scales(qtype, blocks)
     return FourBitCodes(
         *(torch.from_numpy(array.reshape(rows, -1)) for array in (codes, scales, offsets))
     )
@@ -206,16 +230,17 @@ def half(pairs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pairs).view(np.float16).astype(np.float32)
 
 
-def dequantize(tensor: gguf.ReaderTensor, path: str) -> torch.Tensor:
-    if tensor.tensor_type in FOUR_BIT_TYPES:  # torch's vectorized arithmetic, not numpy's per row
-        # An MoE's expert stack is 3-d: its rows are the experts', one after another.
-        return four_bit_codes(tensor).weight().view(*tensor.data.shape[:-1], -1)
+def dequantize(
+    qtype: gguf.GGMLQuantizationType, data: np.ndarray, name: str, path: str
+) -> torch.Tensor:
+    """Rows of the file's tensor `name` (`data`: `[..., row bytes]`), in float32."""
+    if qtype in FOUR_BIT_TYPES:  # torch's vectorized arithmetic, not numpy's per row
+        return codes_of(qtype, data).weight().view(*data.shape[:-1], -1)
     try:
-        values = gguf.dequantize(tensor.data, tensor.tensor_type)
+        values = gguf.dequantize(data, qtype)
     except NotImplementedError as error:
         raise ValueError(
-            f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
-            "dequantized"
+            f"{path}: tensor {name!r} has type {qtype.name}, which cannot be dequantized"
         ) from error
     # Unquantized types come back as views of the read-only memory-mapped file.
     return torch.from_numpy(np.array(values, copy=not values.flags.writeable))
@@ -236,7 +261,14 @@ class PlainArrayReader(gguf.GGUFReader):
 
     @data.setter
     def data(self, mapped: np.memmap) -> None:  # set by GGUFReader's __init__
-        self._plain = mapped.view(np.ndarray)
+        self._plain, self._mapping = mapped.view(np.ndarray), mapped._mmap
+
+    def drop_pages(self, tensor: gguf.ReaderTensor) -> None:
+        """Give back the memory that the read pages of `tensor` take in this process (the
+        kernel's page cache keeps the file: reading them again reads them from there)."""
+        start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+        end = tensor.data_offset + tensor.n_bytes
+        self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @contextmanager

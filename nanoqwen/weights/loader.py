@@ -14,12 +14,13 @@ indexes the part it keeps, so a model split across ranks never holds a full weig
 not keep.
 
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
-dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
+dequantized where they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
 (`gptq_awq.py`). Once the model is full, one *weight form* may convert its linear layers
 (`WEIGHT_FORMS`, a table, each form in its own module, imported only when used): int8 or
-int4 codes with their kernels (`quantization.py`), a GGUF file's own 4-bit codes on a CPU,
-or, for a bf16 model on a CPU with bf16 arithmetic, oneDNN's prepacked layout
-(`model/packed.py`).
+int4 codes with their kernels (`quantization.py`), or, for a bf16 model on a CPU with bf16
+arithmetic, oneDNN's prepacked layout (`model/packed.py`). One form cannot wait for a
+full model, as that would be many times its size: a 4-bit GGUF file on a CPU keeps each
+layer's own codes as its tensors arrive (`KEPT_AS_LOADED`, `gguf_codes.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -40,7 +40,7 @@ from nanoqwen.model.config import ModelConfig
 from nanoqwen.model.loading import ShapeMismatch, TensorSlice, load_whole
 from nanoqwen.model.qwen import QwenForCausalLM, rotary_embedding
 from nanoqwen.weights.checkpoint import Checkpoint
-from nanoqwen.weights.formats import FourBitCodes, PackedWeights, WeightQuantization
+from nanoqwen.weights.formats import PackedWeights, WeightQuantization
 
 Loader = Callable[[torch.Tensor, TensorSlice, int], torch.Tensor]
 # transformers name → (our fused parameter, index of its block).
@@ -56,9 +56,12 @@ FUSED = {
 WEIGHT_FORMS = {
     "int8": "nanoqwen.weights.quantization:keep_quantized",
     "int4": "nanoqwen.weights.quantization:keep_quantized",
-    "gguf_codes": "nanoqwen.weights.quantization:keep_gguf_codes",
     "onednn_packed": "nanoqwen.model.packed:pack_linear_weights",
 }
+# The forms each layer takes as its tensors arrive, so no full-precision model is ever
+# made: `allocate(model, device)` gives the meta-built model memory in place of
+# `allocate_whole`, and returns loaders that build each layer's kept form.
+KEPT_AS_LOADED = {"gguf_codes": "nanoqwen.weights.gguf_codes:allocate_kept"}
 
 
 def load_model(
@@ -72,16 +75,18 @@ def load_model(
 
     `quantization` ("none", "int8", "int4", or None to follow the checkpoint) says how the
     linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
-    memory peaks at the full-precision model before the quantized weights replace them.
+    memory peaks at the full-precision model before the quantized weights replace them;
+    but a `KEPT_AS_LOADED` form keeps each layer as it loads.
     """
     path, config = checkpoint.path, checkpoint.model_config
+    scheme = runtime_quantization(quantization, checkpoint, device)
+    form = weight_form(scheme, checkpoint, dtype, device)
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
         model = QwenForCausalLM(config)
-    model.to_empty(device=device)
-    model.tie_weights()  # allocation gave the tied pair two separate tensors
+    allocate = imported(KEPT_AS_LOADED[form]) if form in KEPT_AS_LOADED else allocate_whole
+    params = allocate(model, device)
     model.rotary = rotary_embedding(config).to(device)  # computed, not loaded
-    params = parameter_loaders(model)
     filled: dict[str, set[int]] = {name: set() for name in params}
     for name, source in checkpoint_tensors(checkpoint, params):
         target, block = map_name(name, config)
@@ -98,12 +103,22 @@ def load_model(
     for name, (_, _, num_blocks) in params.items():
         if len(filled[name]) < num_blocks:
             raise ValueError(f"missing weight {name!r} in checkpoint {path}")
-    scheme = runtime_quantization(quantization, checkpoint, device)
-    form = weight_form(scheme, checkpoint, dtype, device)
-    if form is not None:
-        module, function = WEIGHT_FORMS[form].split(":")
-        getattr(importlib.import_module(module), function)(model, checkpoint, params, scheme)
+    if form in WEIGHT_FORMS:
+        imported(WEIGHT_FORMS[form])(model, checkpoint, params, scheme)
     return model.eval()
+
+
+def allocate_whole(model: nn.Module, device: torch.device) -> dict[str, tuple[torch.Tensor, Loader, int]]:
+    """Give every parameter of `model`, built on the meta device, memory on `device`."""
+    model.to_empty(device=device)
+    model.tie_weights()  # allocation gave the tied pair two separate tensors
+    return parameter_loaders(model)
+
+
+def imported(function: str) -> Callable:
+    """The function a table names as "module:function", imported now."""
+    module, name = function.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def checkpoint_tensors(
@@ -133,9 +148,9 @@ def weight_form(
     """Which `WEIGHT_FORMS` entry the loaded linear weights take (None: they stay as loaded).
 
     int4 of a GGUF file on a CPU keeps the file's own 4-bit codes: the tensors stored in
-    Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, the others int8 rows, which hold
-    them more closely than 4 bits could. Elsewhere int4 re-rounds the weights onto
-    torchao's grid. A bf16 model on a CPU that multiplies bf16 in hardware is prepacked.
+    Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, the others and the embedding
+    int8 rows, which hold them more closely than 4 bits could. Elsewhere int4 re-rounds the
+    weights onto torchao's grid. A bf16 model on a CPU that multiplies bf16 in hardware is prepacked.
     """
     if scheme is not None:
         file_codes = scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
@@ -174,28 +189,6 @@ def runtime_quantization(
     if quantization == "int4" and own is not None and own.mode == "int4":
         return own
     return WeightQuantization(quantization)
-
-
-def four_bit_linears(
-    checkpoint: Checkpoint, params: dict[str, tuple[torch.Tensor, Loader, int]]
-) -> Iterator[tuple[str, FourBitCodes]]:
-    """Each layer whose checkpoint weights are all stored in a 4-bit type, by module name,
-    with their codes stacked as the fused weight stacks them (q, k, v; gate, up)."""
-    from nanoqwen.weights.gguf import iter_gguf_four_bit_codes
-
-    config = checkpoint.model_config
-    parts: dict[str, dict[int, FourBitCodes]] = defaultdict(dict)
-    names = checkpoint_names(params)
-    for name, codes in iter_gguf_four_bit_codes(checkpoint.path, names, config.num_layers):
-        target, block = map_name(name, config)
-        if target not in params:  # the copy of a tied embedding
-            continue
-        parts[target][block] = codes
-        num_blocks = params[target][2]
-        if len(parts[target]) == num_blocks:
-            blocks = parts.pop(target)
-            stacked = FourBitCodes.stacked([blocks[index] for index in range(num_blocks)])
-            yield target.removesuffix(".weight"), stacked
 
 
 def is_unused_zero_bias(name: str, tensor: torch.Tensor, checkpoint: Checkpoint) -> bool:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,7 +46,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from nanoqwen.weights.checkpoint import Checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, FourBitCodes, WeightQuantization
 
 logger = logging.getLogger(__name__)
@@ -72,22 +71,11 @@ def keep_quantized(
     quantize_linears(model, scheme)
 
 
-def keep_gguf_codes(
-    model: nn.Module, checkpoint: Checkpoint, params: dict[str, Any], scheme: WeightQuantization
-) -> None:
-    """The loader's "gguf_codes" form: a GGUF file's 4-bit tensors as `Int4Linear`s of its
-    own codes, and every other linear layer, the lm_head too, as int8."""
-    from nanoqwen.weights.loader import four_bit_linears
-
-    keep_four_bit_codes(model, four_bit_linears(checkpoint, params))
-    quantize_linears(model, WeightQuantization("int8"))
-
-
 def quantize_linears(model: nn.Module, scheme: WeightQuantization) -> None:
     """Keep the decoder's linear layers quantized, in place: as `Int8Linear`s for int8 on a
     CPU (the lm_head too), else their weights as torchao's quantized tensors."""
     linears = [module for module in model.model.layers.modules() if isinstance(module, nn.Linear)]
-    weight = model.model.embed_tokens.weight  # every linear may hold 4-bit codes already
+    weight = model.model.embed_tokens.weight  # in the dtype and on the device of the model
     if scheme.mode == "int8" and weight.device.type == "cpu":
         swap_modules(model, lambda module: isinstance(module, nn.Linear), Int8Linear)
         return
@@ -167,12 +155,12 @@ class Int8Linear(BFloat16KernelLinear):
     """A linear layer kept as int8 codes with one scale per output row, `w ≈ code * scale`
     (`_weight_int8pack_mm`)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The codes and scales of `linear`'s weight, or `rows` (another module's, shared)."""
         super().__init__(linear)
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("codes", (weight / scales[:, None]).round().to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+        codes, scales = int8_rows(linear.weight) if rows is None else rows
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
 
     def multiply(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
@@ -180,6 +168,29 @@ class Int8Linear(BFloat16KernelLinear):
     def dequantized(self) -> torch.Tensor:
         """The weight these codes stand for, `[out_features, in_features]`, in float32."""
         return self.codes.float() * self.scales.float()[:, None]
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's int8 codes and its rows' bfloat16 scales, `w ≈ code * scale`: each row's
+    largest magnitude is code 127."""
+    weight = weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return (weight / scales[:, None]).round().to(torch.int8), scales.to(torch.bfloat16)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding kept as int8 rows (`int8_rows`), each looked up and scaled into `dtype`.
+    A tied lm_head multiplies by the same codes (`Int8Linear(lm_head, rows)`)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[input_ids].float() * self.scales[input_ids, None].float()
+        return rows.to(self.dtype)
 
 
 class Int4Linear(BFloat16KernelLinear):
@@ -209,15 +220,6 @@ class Int4Linear(BFloat16KernelLinear):
         )
 
 
-def keep_four_bit_codes(model: nn.Module, linears: Iterable[tuple[str, FourBitCodes]]) -> None:
-    """Replace each named linear layer by an `Int4Linear` of its codes, in place, where
-    torch's kernel takes its shape (outputs a multiple of `INT4_CPU_ROWS`)."""
-    for name, codes in linears:
-        linear = model.get_submodule(name)
-        if isinstance(linear, nn.Linear) and linear.out_features % INT4_CPU_ROWS == 0:
-            replace_module(model, name, Int4Linear(linear, codes))
-
-
 def swap_modules(
     model: nn.Module, wanted: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]
 ) -> None:
@@ -242,15 +244,15 @@ def int4_group_size(requested: int, in_features: list[int]) -> int | None:
 
 def weight_memory_bytes(model: nn.Module) -> int:
     """Bytes held by the model's parameters (a tied weight once, quantized ones as their
-    codes plus scales and zero points) and by `Int8Linear`s' and `Int4Linear`s' codes and
-    scales."""
-    codes = [
-        tensor
+    codes plus scales and zero points) and by the codes and scales of `Int8Linear`s,
+    `Int4Linear`s and an `Int8Embedding`."""
+    codes = {
+        id(tensor): tensor  # a tied lm_head's codes are its embedding's: once
         for module in model.modules()
-        if isinstance(module, BFloat16KernelLinear)
+        if isinstance(module, (BFloat16KernelLinear, Int8Embedding))
         for tensor in module.buffers(recurse=False)
-    ]
-    return sum(tensor_bytes(tensor) for tensor in (*model.parameters(), *codes))
+    }
+    return sum(tensor_bytes(tensor) for tensor in (*model.parameters(), *codes.values()))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
