@@ -214,7 +214,7 @@ def weights_kept_as(engine: LLMEngine) -> str:
     scheme = runtime_quantization(config.quantization, checkpoint, engine.device)
     form = weight_form(scheme, checkpoint, config.dtype, engine.device)
     if form == "gguf_codes":
-        return "the file's 4-bit codes, int8 for its other types"
+        return "the file's 4-bit codes, int8 for its other types and the embedding"
     if form in ("int8", "int4"):
         source = checkpoint.format_name
         return f"{form} codes" + (f" from {source}" if source else "")

@@ -15,6 +15,8 @@ import pytest
 import torch
 from oracle import greedy, hf_greedy, random_prompts
 from quantized_helpers import build_wide, largest_greedy_gap, quantized_llm
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from nanoqwen import LLM
 from nanoqwen.cli import weights_kept_as
@@ -22,7 +24,8 @@ from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, WeightQuantization
 from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes, open_gguf
-from nanoqwen.weights.quantization import Int4Linear, Int8Linear
+from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.quantization import Int4Linear, Int8Embedding, Int8Linear
 from tools.checkpoints import IM_END, build_qwen3, generate_corpus
 from tools.gguf_files import F, all_of, k_quant_mix, write_gguf
 
@@ -207,7 +210,7 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
     token 0.34 below the best."""
     path = write_gguf(wide_dirs[architecture], tmp_path / "model.gguf", k_quant_mix)
     llm = LLM(path, device="cpu", num_pages=64)
-    assert weights_kept_as(llm.engine) == "the file's 4-bit codes, int8 for its other types"
+    assert weights_kept_as(llm.engine) == "the file's 4-bit codes, int8 for its other types and the embedding"
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and isinstance(layer.self_attn.o_proj, Int4Linear)
@@ -217,6 +220,53 @@ def test_a_4_bit_file_keeps_its_own_codes_on_a_cpu(
     prompts = random_prompts(800, [6, 45, 20, 30], seed=33)
     for prompt, output in zip(prompts, llm.generate(prompts, greedy(12))):
         assert largest_greedy_gap(path, prompt, output.token_ids) <= LARGEST_GAP[architecture]
+
+
+class FloatTensorsMade(TorchDispatchMode):
+    """The shapes of the float tensors every torch operation makes on a real device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.shapes |= {tuple(t.shape) for t in made if t.is_floating_point() and not t.is_meta}
+        return out
+
+
+def test_a_4_bit_layer_is_never_held_in_full_precision(wide_dirs: dict[str, str], tmp_path: Path) -> None:
+    """Loading a Q4_K_M file on a CPU makes its 4-bit layers' `Int4Linear`s straight from
+    the file's codes: no float tensor of their weight's shape, or of one of its parts', is
+    ever made (a whole float model allocated first would make them all)."""
+    path = write_gguf(wide_dirs["qwen3"], tmp_path / "model.gguf", k_quant_mix)
+    with FloatTensorsMade() as made:
+        model = load_model(read_checkpoint(path), torch.float32, torch.device("cpu"))
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, Int4Linear)
+    rows, columns = gate_up.out_features, gate_up.in_features
+    assert made.shapes and not made.shapes & {(rows, columns), (rows // 2, columns)}
+    assert not any(isinstance(module, torch.nn.Linear) for module in model.modules())
+
+
+def test_a_4_bit_files_embedding_is_int8_rows_of_its_weights(
+    wide_dirs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding is kept as int8 rows, read a few rows at a time, which the tied lm_head
+    shares: each weight within half a code step of the file's, plus the bfloat16 rounding
+    of its row's scale (at most 127 steps times 2^-8)."""
+    monkeypatch.setattr("nanoqwen.weights.gguf_codes.ROWS_PER_READ", 7)  # rows not a multiple
+    path = write_gguf(wide_dirs["qwen3"], tmp_path / "model.gguf", k_quant_mix)
+    model = load_model(read_checkpoint(path), torch.float32, torch.device("cpu"))
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, Int8Embedding) and model.lm_head.codes is embedding.codes
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}["token_embd.weight"]
+    exact = torch.from_numpy(gguf.dequantize(stored.data, stored.tensor_type))
+    step = exact.abs().amax(dim=1, keepdim=True) / 127
+    kept = embedding(torch.arange(len(exact)))
+    assert kept.dtype == torch.float32
+    assert ((kept - exact).abs() <= step * (0.5 + 127 * 2**-8)).all()
 
 
 def test_int8_asked_for_makes_every_linear_of_a_4_bit_file_int8(wide_dirs: dict[str, str], tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import numpy.typing as npt
 import torch
 from transformers import (
     AutoConfig,
@@ -262,6 +263,16 @@ class PlainArrayReader(gguf.GGUFReader):
     @data.setter
     def data(self, mapped: np.memmap) -> None:  # set by GGUFReader's __init__
         self._plain, self._mapping = mapped.view(np.ndarray), mapped._mmap
+
+    def _get(
+        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: str | None = None
+    ) -> np.ndarray:
+        """`count` numbers at `offset`: GGUFReader's own, without its per-call dtype
+        bookkeeping where the file's byte order is this machine's (almost always)."""
+        if self.byte_order != "I" or override_order not in (None, "I"):
+            return super()._get(offset, dtype, count, override_order)
+        dtype = np.dtype(dtype)
+        return self._plain[offset : offset + dtype.itemsize * int(count)].view(dtype)
 
     def drop_pages(self, tensor: gguf.ReaderTensor) -> None:
         """Give back the memory that the read pages of `tensor` take in this process (the

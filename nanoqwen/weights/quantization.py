@@ -29,7 +29,9 @@ slower for one token (docs/quantization.md has the figures and the commands).
 **int4 of a GGUF file on a CPU** is `Int4Linear`: the kernel's `(code - 8) * scale + zero`
 can hold GGUF's 4-bit types (Q4_0, Q4_1, Q4_K: `code * scale + offset` per 32 weights)
 with the file's own codes, so nothing is rounded again but the scales, to bfloat16. The
-file's tensors of other types (Q5_K, Q6_K, Q8_0, ...) become `Int8Linear`s.
+file's tensors of other types (Q5_K, Q6_K, Q8_0, ...) become `Int8Linear`s, and the
+embedding an `Int8Embedding` whose codes a tied lm_head shares (`gguf_codes.py` builds
+them all as the file is read).
 
 Where no kernel fits, the weights stay dequantized in the model's dtype, with one warning.
 """
@@ -174,8 +176,10 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight's int8 codes and its rows' bfloat16 scales, `w ≈ code * scale`: each row's
     largest magnitude is code 127."""
     weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return (weight / scales[:, None]).round().to(torch.int8), scales.to(torch.bfloat16)
+    low, high = torch.aminmax(weight, dim=1)  # no |weight| temporary: a row's extremes
+    scales = torch.maximum(-low, high).clamp_(min=torch.finfo(torch.float32).tiny) / 127
+    codes = torch.div(weight, scales[:, None]).round_().to(torch.int8)
+    return codes, scales.to(torch.bfloat16)
 
 
 class Int8Embedding(nn.Module):
