@@ -23,7 +23,12 @@ from nanoqwen.cli import weights_kept_as
 from nanoqwen.text.tokenizer import Tokenizer
 from nanoqwen.weights.checkpoint import read_checkpoint
 from nanoqwen.weights.formats import GGUF_GROUP_SIZE, WeightQuantization
-from nanoqwen.weights.gguf import FOUR_BIT_TYPES, four_bit_codes, open_gguf
+from nanoqwen.weights.gguf import (
+    FOUR_BIT_TYPES,
+    PlainArrayReader,
+    four_bit_codes,
+    open_gguf,
+)
 from nanoqwen.weights.loader import load_model
 from nanoqwen.weights.quantization import Int4Linear, Int8Embedding, Int8Linear
 from tools.checkpoints import IM_END, build_qwen3, generate_corpus
@@ -165,14 +170,19 @@ def test_four_bit_codes_are_the_files_own(four_bit_tensors: list[gguf.ReaderTens
 
 
 def test_the_reader_reads_what_ggufs_own_reads(qwen3_dir: str, tmp_path: Path) -> None:
-    """`open_gguf`'s plain view of the mapping gives the same metadata and tensors."""
+    """The plain view of the mapping (what transformers reads through) gives the same
+    metadata and tensors; `open_gguf`'s reader the same but for arrays, left unread."""
     path = write_gguf(qwen3_dir, tmp_path / "model.gguf", k_quant_mix)
-    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
-    assert ours.fields.keys() == theirs.fields.keys()
-    for key, field in theirs.fields.items():
-        assert field.contents() == ours.fields[key].contents(), key
-    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
-    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+    plain, tensors, theirs = PlainArrayReader(path), open_gguf(path), gguf.GGUFReader(path)
+    arrays = [key for key, field in theirs.fields.items() if field.types[0] == gguf.GGUFValueType.ARRAY]
+    assert "tokenizer.ggml.merges" in arrays and "tokenizer.ggml.token_type" in arrays
+    for ours in plain, tensors:
+        assert ours.fields.keys() == theirs.fields.keys()
+        for key, field in theirs.fields.items():
+            expected = [] if ours is tensors and key in arrays else field.contents()
+            assert ours.fields[key].contents() == expected, key
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
 
 
 def test_int4_linear_multiplies_by_the_files_weights(four_bit_tensors: list[gguf.ReaderTensor]) -> None:

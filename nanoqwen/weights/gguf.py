@@ -27,6 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -294,9 +295,30 @@ def transformers_reading_plainly() -> Iterator[None]:
         gguf.GGUFReader = own
 
 
+class TensorReader(PlainArrayReader):
+    """`PlainArrayReader` that steps over the metadata's arrays (a tokenizer's vocabulary,
+    token types and merges) without reading them, item by item as gguf does: their fields
+    have no contents. Ours are the metadata's single values and the tensors; transformers
+    reads the arrays, through a `PlainArrayReader`."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        item_type = self._get(orig_offs, np.uint32) if raw_type == gguf.GGUFValueType.ARRAY else None
+        item = None if item_type is None else gguf.GGUFValueType(item_type[0])
+        if item not in (*self.gguf_scalar_to_np, gguf.GGUFValueType.STRING) or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        length = self._get(orig_offs + 4, np.uint64)
+        offset = orig_offs + 12
+        if item == gguf.GGUFValueType.STRING:
+            for _ in range(int(length[0])):  # each string: its uint64 length, then its bytes
+                offset += 8 + struct.unpack_from("<Q", self._mapping, offset)[0]
+        else:
+            offset += int(length[0]) * np.dtype(self.gguf_scalar_to_np[item]).itemsize
+        return offset - orig_offs, [item_type, length], [], [gguf.GGUFValueType.ARRAY, item]
+
+
 def open_gguf(path: str) -> gguf.GGUFReader:
     try:
-        return PlainArrayReader(path)
+        return TensorReader(path)
     except Exception as error:  # a damaged file fails in struct, numpy or gguf's own checks
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
 
