@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
-from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.loader import iter_checkpoint, load_model
 from tools.checkpoints import build_qwen2, build_qwen3
 
 
@@ -155,3 +155,30 @@ def test_unreadable_config_is_a_clear_error(qwen2_dir: str, tmp_path: Path) -> N
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="could not read the model config"):
         LLM(str(model_dir), device="cpu")
+
+
+def test_loading_hands_back_each_tensors_file_pages(tmp_path: Path) -> None:
+    """Pages of a memory-mapped file the loader has read count in the process's resident
+    memory until they are unmapped: once a tensor is copied, the loader gives them back, so
+    at most the tensor being copied is resident, never the file read so far."""
+    tensors = {f"t{index}": torch.full((512, 512), float(index)) for index in range(8)}  # 1 MiB each
+    save_file(tensors, tmp_path / "model.safetensors")
+    tensor_kib = 512 * 512 * 4 // 1024
+    most = 0
+    for name, source in iter_checkpoint(str(tmp_path), None):
+        torch.testing.assert_close(source[:].clone(), tensors[name], rtol=0, atol=0)
+        most = max(most, resident_kib(tmp_path / "model.safetensors"))
+    assert 0 < most <= 2 * tensor_kib  # the tensor being read, and at most a neighbour's pages
+
+
+def resident_kib(path: Path) -> int:
+    """How much of `path`, in KiB, this process's memory maps of it hold resident."""
+    resident, in_file = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: its range and file
+                in_file = fields[-1] == str(path)
+            elif in_file and fields[0] == "Rss:":
+                resident += int(fields[1])
+    return resident

@@ -8,10 +8,20 @@ Loading reads one tensor at a time, so peak memory is the model plus one tensor,
 maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
 row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
-don't know, or one of the wrong shape is an error naming that weight. Plain safetensors
-tensors are handed over unread (`get_slice`): each parameter's loader (`model/layers.py`)
-indexes the part it keeps, so a model split across ranks never holds a full weight it does
-not keep.
+don't know, or one of the wrong shape is an error naming that weight.
+
+A safetensors file is 8 bytes giving the length of a JSON header, the header (each
+tensor's dtype, shape and byte range), then the tensors' bytes. We memory-map the file and
+hand each tensor over as a view of the mapping (`torch.frombuffer`), unread: each
+parameter's loader (`model/layers.py`) indexes the part it keeps and copies it, and only
+the pages it copies are read, so a model split across ranks never reads a weight it does
+not keep. A page read through a mapping stays mapped into the process, and counts in its
+resident memory (RSS), until the mapping goes or the process says it is done with it: the
+kernel could drop such a page under pressure (it is a copy of the file), but until it does,
+reading a 3 GB file through a mapping and copying it out holds 3 GB twice. So once the
+consumer of a tensor asks for the next, the loader tells the kernel
+(`madvise(MADV_DONTNEED)`) that the file's pages are no longer needed here: they leave the
+process (and stay in the page cache), and loading peaks at the model plus one tensor.
 
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
 dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
@@ -26,13 +36,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import mmap
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from nanoqwen.config import cpu_has_native_bf16
@@ -50,6 +60,13 @@ FUSED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+# safetensors' names of the element types it stores.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 # The forms linear weights may be kept in after loading: each converts a loaded model in
 # place, `convert(model, checkpoint, params, scheme)`, from a module imported only when used.
@@ -216,22 +233,45 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def iter_checkpoint(
     model_dir: str, packed: PackedWeights | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every safetensors shard, one tensor at a time, each read
-    only as far as its parameter indexes it; a GPTQ/AWQ layer's packed parts as one
-    unpacked `weight`."""
-    with ExitStack() as stack:
-        # A layer's packed parts may sit in different shards: keep them all open.
-        shard_of = {}
-        for path in safetensors_files(model_dir):
-            shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            shard_of.update(dict.fromkeys(shard.keys(), shard))
+    """Yield (name, tensor) from every safetensors shard, one tensor at a time, each a view
+    of the mapped file read only as far as its parameter indexes it; a GPTQ/AWQ layer's
+    packed parts (which may sit in different shards) as one unpacked `weight`."""
+    mappings, tensors = [], {}
+    for path in safetensors_files(model_dir):
+        mapping, shard = map_safetensors(path)
+        mappings.append(mapping)
+        tensors.update(shard)
+    if packed is None:
+        pieces = iter(tensors.items())
+    else:
+        from nanoqwen.weights.gptq_awq import unpack_checkpoint
 
-        if packed is None:  # lazily: a split parameter reads only its slice
-            yield from ((name, shard.get_slice(name)) for name, shard in shard_of.items())
-        else:
-            from nanoqwen.weights.gptq_awq import unpack_checkpoint
+        pieces = unpack_checkpoint(tensors, tensors.__getitem__, packed)
+    for piece in pieces:
+        yield piece
+        # The consumer has copied what it keeps: the pages it read leave this process.
+        for mapping in mappings:
+            mapping.madvise(mmap.MADV_DONTNEED)
 
-            yield from unpack_checkpoint(shard_of, lambda name: shard_of[name].get_tensor(name), packed)
+
+def map_safetensors(path: str) -> tuple[mmap.mmap, dict[str, torch.Tensor]]:
+    """A safetensors file mapped into memory, and its tensors as views of the mapping. The
+    mapping is copy-on-write, so torch may view it as writable; nothing writes to it."""
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_size))
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        dtype, (begin, end) = SAFETENSORS_DTYPES[entry["dtype"]], entry["data_offsets"]
+        if begin == end:  # torch.frombuffer cannot view zero bytes
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        count, offset = (end - begin) // dtype.itemsize, 8 + header_size + begin
+        view = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
+        tensors[name] = view.view(entry["shape"])
+    return mapping, tensors
 
 
 def safetensors_files(model_dir: str) -> list[str]:
