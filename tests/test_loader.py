@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,24 @@ def resident_kib(path: Path) -> int:
             elif in_file and fields[0] == "Rss:":
                 resident += int(fields[1])
     return resident
+
+
+def test_a_weight_form_frees_each_weight_it_replaces(
+    qwen2_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight form (oneDNN packing, int8) replaces the loaded weights one by one: the
+    loader holds none of them meanwhile, so each replaced one is freed at once and memory
+    never holds the model twice."""
+    freed = []
+
+    def replace_weights(model: torch.nn.Module, *unused: object) -> None:
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                loaded = weakref.ref(module.weight)
+                module.weight = torch.nn.Parameter(module.weight.detach().clone())
+                freed.append(loaded() is None)
+
+    monkeypatch.setattr("nanoqwen.model.packed.pack_linear_weights", replace_weights)
+    monkeypatch.setattr("nanoqwen.weights.loader.weight_form", lambda *unused: "onednn_packed")
+    load_model(read_checkpoint(qwen2_dir), torch.float32, torch.device("cpu"))
+    assert freed and all(freed)

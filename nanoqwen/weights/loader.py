@@ -69,7 +69,8 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 # The forms linear weights may be kept in after loading: each converts a loaded model in
-# place, `convert(model, checkpoint, params, scheme)`, from a module imported only when used.
+# place, `convert(model, checkpoint, num_blocks, scheme)` (`num_blocks` from `fill_parameters`),
+# from a module imported only when used.
 WEIGHT_FORMS = {
     "int8": "nanoqwen.weights.quantization:keep_quantized",
     "int4": "nanoqwen.weights.quantization:keep_quantized",
@@ -91,36 +92,45 @@ def load_model(
     linear weights are kept in memory once loaded. They are loaded in `dtype` first, so
     memory peaks at the full-precision model before the quantized weights replace them.
     """
-    path, config = checkpoint.path, checkpoint.model_config
+    config = checkpoint.model_config
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
         model = QwenForCausalLM(config)
     model.to_empty(device=device)
     model.tie_weights()  # allocation gave the tied pair two separate tensors
     model.rotary = rotary_embedding(config).to(device)  # computed, not loaded
+    num_blocks = fill_parameters(model, checkpoint)
+    scheme = runtime_quantization(quantization, checkpoint, device)
+    form = weight_form(scheme, checkpoint, dtype, device)
+    if form is not None:
+        module, function = WEIGHT_FORMS[form].split(":")
+        getattr(importlib.import_module(module), function)(model, checkpoint, num_blocks, scheme)
+    return model.eval()
+
+
+def fill_parameters(model: QwenForCausalLM, checkpoint: Checkpoint) -> dict[str, int]:
+    """Copy each checkpoint tensor into its parameter; return how many checkpoint weights
+    are fused into each parameter, by name. No parameter outlives this call here: a weight
+    form replaces them one by one, and holding the loaded ones would hold the model twice."""
     params = parameter_loaders(model)
     filled: dict[str, set[int]] = {name: set() for name in params}
     for name, source in checkpoint_tensors(checkpoint, params):
-        target, block = map_name(name, config)
+        target, block = map_name(name, checkpoint.model_config)
         if target is None or (target not in params and is_unused_zero_bias(name, source, checkpoint)):
             continue
         if target not in params:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint {path}")
+            raise ValueError(f"unexpected weight {name!r} in checkpoint {checkpoint.path}")
         param, load, _ = params[target]
         try:
             load(param, source, block)
         except ShapeMismatch as error:
             raise ValueError(f"shape mismatch for weight {name!r}: {error}") from None
         filled[target].add(block)
-    for name, (_, _, num_blocks) in params.items():
-        if len(filled[name]) < num_blocks:
-            raise ValueError(f"missing weight {name!r} in checkpoint {path}")
-    scheme = runtime_quantization(quantization, checkpoint, device)
-    form = weight_form(scheme, checkpoint, dtype, device)
-    if form is not None:
-        module, function = WEIGHT_FORMS[form].split(":")
-        getattr(importlib.import_module(module), function)(model, checkpoint, params, scheme)
-    return model.eval()
+    num_blocks = {name: blocks for name, (_, _, blocks) in params.items()}
+    for name, blocks in num_blocks.items():
+        if len(filled[name]) < blocks:
+            raise ValueError(f"missing weight {name!r} in checkpoint {checkpoint.path}")
+    return num_blocks
 
 
 def checkpoint_tensors(
@@ -194,24 +204,24 @@ def runtime_quantization(
 
 
 def four_bit_linears(
-    checkpoint: Checkpoint, params: dict[str, tuple[torch.Tensor, Loader, int]]
+    checkpoint: Checkpoint, num_blocks: dict[str, int]
 ) -> Iterator[tuple[str, FourBitCodes]]:
     """Each layer whose checkpoint weights are all stored in a 4-bit type, by module name,
-    with their codes stacked as the fused weight stacks them (q, k, v; gate, up)."""
+    with their codes stacked as the fused weight stacks them (q, k, v; gate, up);
+    `num_blocks` as `fill_parameters` returns it."""
     from nanoqwen.weights.gguf import iter_gguf_four_bit_codes
 
     config = checkpoint.model_config
     parts: dict[str, dict[int, FourBitCodes]] = defaultdict(dict)
-    names = checkpoint_names(params)
+    names = checkpoint_names(num_blocks)
     for name, codes in iter_gguf_four_bit_codes(checkpoint.path, names, config.num_layers):
         target, block = map_name(name, config)
-        if target not in params:  # the copy of a tied embedding
+        if target not in num_blocks:  # the copy of a tied embedding
             continue
         parts[target][block] = codes
-        num_blocks = params[target][2]
-        if len(parts[target]) == num_blocks:
+        if len(parts[target]) == num_blocks[target]:
             blocks = parts.pop(target)
-            stacked = FourBitCodes.stacked([blocks[index] for index in range(num_blocks)])
+            stacked = FourBitCodes.stacked([blocks[index] for index in range(num_blocks[target])])
             yield target.removesuffix(".weight"), stacked
 
 
