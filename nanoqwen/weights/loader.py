@@ -4,9 +4,9 @@ A checkpoint (`checkpoint.py`) is a directory with `config.json`, tokenizer file
 or more `.safetensors` files (several "shards" plus a `model.safetensors.index.json` for
 large models), or a single llama.cpp `.gguf` file.
 
-Loading reads one tensor at a time, so peak memory is the model plus one tensor, and
-maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
-row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
+Loading reads one tensor at a time, and maps transformers' names onto our fused
+parameters: `q_proj`, `k_proj`, `v_proj` become row blocks of `qkv_proj`; `gate_proj`,
+`up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
 don't know, or one of the wrong shape is an error naming that weight.
 
@@ -14,14 +14,18 @@ A safetensors file is 8 bytes giving the length of a JSON header, the header (ea
 tensor's dtype, shape and byte range), then the tensors' bytes. We memory-map the file and
 hand each tensor over as a view of the mapping (`torch.frombuffer`), unread: each
 parameter's loader (`model/layers.py`) indexes the part it keeps and copies it, and only
-the pages it copies are read, so a model split across ranks never reads a weight it does
-not keep. A page read through a mapping stays mapped into the process, and counts in its
-resident memory (RSS), until the mapping goes or the process says it is done with it: the
-kernel could drop such a page under pressure (it is a copy of the file), but until it does,
-reading a 3 GB file through a mapping and copying it out holds 3 GB twice. So once the
-consumer of a tensor asks for the next, the loader tells the kernel
-(`madvise(MADV_DONTNEED)`) that the file's pages are no longer needed here: they leave the
-process (and stay in the page cache), and loading peaks at the model plus one tensor.
+the pages it copies are read, so a model split across ranks reads only its slices. A page
+read through a mapping stays mapped into the process, and counts in its resident memory
+(RSS), until it is unmapped or the process says it is done with it: the kernel may drop
+such a page under pressure (it is a copy of the file), but until it does, reading a 3 GB
+file through a mapping and copying it out holds 3 GB twice. So once the consumer of a
+tensor asks for the next, the loader tells the kernel (`madvise(MADV_DONTNEED)`) that no
+page of the mapping is needed here any more: they leave the process (and stay in the
+kernel's page cache, for the next process that loads the file). The safetensors library
+reads through a mapping of its own, which it cannot be asked to give back, hence the few
+lines reading the format here. Loading peaks at the model plus one tensor; a weight form
+(below) that replaces the loaded weights one at a time frees each as it goes (nothing here
+holds them), so oneDNN packing adds one weight to that peak, not the model.
 
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
 dequantized as they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
