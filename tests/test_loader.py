@@ -169,7 +169,8 @@ def test_loading_hands_back_each_tensors_file_pages(tmp_path: Path) -> None:
     for name, source in iter_checkpoint(str(tmp_path), None):
         torch.testing.assert_close(source[:].clone(), tensors[name], rtol=0, atol=0)
         most = max(most, resident_kib(tmp_path / "model.safetensors"))
-    assert 0 < most <= 2 * tensor_kib  # the tensor being read, and at most a neighbour's pages
+    # The tensor being read, and what a fault maps around it: at most a 2 MiB page each side.
+    assert 0 < most <= tensor_kib + 2 * 2048 < len(tensors) * tensor_kib
 
 
 def resident_kib(path: Path) -> int:
