@@ -66,20 +66,20 @@ TORCHAO_IMPORT_NOISE = {
 
 
 def keep_quantized(
-    model: nn.Module, checkpoint: object, params: object, scheme: WeightQuantization
+    model: nn.Module, checkpoint: object, num_blocks: object, scheme: WeightQuantization
 ) -> None:
     """The loader's "int8" and "int4" weight forms: `quantize_linears`."""
     quantize_linears(model, scheme)
 
 
 def keep_gguf_codes(
-    model: nn.Module, checkpoint: Checkpoint, params: dict[str, Any], scheme: WeightQuantization
+    model: nn.Module, checkpoint: Checkpoint, num_blocks: dict[str, int], scheme: WeightQuantization
 ) -> None:
     """The loader's "gguf_codes" form: a GGUF file's 4-bit tensors as `Int4Linear`s of its
     own codes, and every other linear layer, the lm_head too, as int8."""
     from nanoqwen.weights.loader import four_bit_linears
 
-    keep_four_bit_codes(model, four_bit_linears(checkpoint, params))
+    keep_four_bit_codes(model, four_bit_linears(checkpoint, num_blocks))
     quantize_linears(model, WeightQuantization("int8"))
 
 
