@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
-from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.loader import iter_checkpoint, load_model
 from tools.checkpoints import build_qwen2, build_qwen3
 
 
@@ -155,3 +156,52 @@ def test_unreadable_config_is_a_clear_error(qwen2_dir: str, tmp_path: Path) -> N
     (model_dir / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="could not read the model config"):
         LLM(str(model_dir), device="cpu")
+
+
+def test_loading_hands_back_each_tensors_file_pages(tmp_path: Path) -> None:
+    """Pages of a memory-mapped file the loader has read count in the process's resident
+    memory until they are unmapped: once a tensor is copied, the loader gives them back, so
+    at most the tensor being copied is resident, never the file read so far."""
+    tensors = {f"t{index}": torch.full((512, 512), float(index)) for index in range(8)}  # 1 MiB each
+    save_file(tensors, tmp_path / "model.safetensors")
+    tensor_kib = 512 * 512 * 4 // 1024
+    most = 0
+    for name, source in iter_checkpoint(str(tmp_path), None):
+        torch.testing.assert_close(source[:].clone(), tensors[name], rtol=0, atol=0)
+        most = max(most, resident_kib(tmp_path / "model.safetensors"))
+    # The tensor being read, and what a fault maps around it: at most a 2 MiB page each side.
+    assert 0 < most <= tensor_kib + 2 * 2048 < len(tensors) * tensor_kib
+
+
+def resident_kib(path: Path) -> int:
+    """How much of `path`, in KiB, this process's memory maps of it hold resident."""
+    resident, in_file = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: its range and file
+                in_file = fields[-1] == str(path)
+            elif in_file and fields[0] == "Rss:":
+                resident += int(fields[1])
+    return resident
+
+
+def test_a_weight_form_frees_each_weight_it_replaces(
+    qwen2_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight form (oneDNN packing, int8) replaces the loaded weights one by one: the
+    loader holds none of them meanwhile, so each replaced one is freed at once and memory
+    never holds the model twice."""
+    freed = []
+
+    def replace_weights(model: torch.nn.Module, *unused: object) -> None:
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                loaded = weakref.ref(module.weight)
+                module.weight = torch.nn.Parameter(module.weight.detach().clone())
+                freed.append(loaded() is None)
+
+    monkeypatch.setattr("nanoqwen.model.packed.pack_linear_weights", replace_weights)
+    monkeypatch.setattr("nanoqwen.weights.loader.weight_form", lambda *unused: "onednn_packed")
+    load_model(read_checkpoint(qwen2_dir), torch.float32, torch.device("cpu"))
+    assert freed and all(freed)

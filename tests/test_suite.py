@@ -33,7 +33,7 @@ def test_a_run_started_with_ctrl_c_ignored_sees_it_as_from_a_terminal() -> None:
     tensor parallelism's) rely on reaching them; the suite installs Python's own handler."""
     inner = f"{Path(__file__)}::test_ctrl_c_raises_in_a_test_and_in_the_processes_it_starts"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-cov", inner],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-cov", inner],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, INNER_RUN: "1"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -26,7 +27,6 @@ import pytest
 import torch
 from oracle import greedy, random_prompts
 from packed_checkpoints import Layout, write_packed_checkpoint
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from server_helpers import wait_until
 from torch.distributed.run import main as torchrun
@@ -46,7 +46,7 @@ from nanoqwen.runner.runner import StepInputs, lay_out
 from nanoqwen.scheduling.request import Request
 from nanoqwen.scheduling.scheduler import Row
 from nanoqwen.weights.checkpoint import read_checkpoint
-from nanoqwen.weights.loader import load_model
+from nanoqwen.weights.loader import load_model, map_safetensors
 from nanoqwen.weights.quantization import weight_memory_bytes
 from tools.checkpoints import build_qwen2
 from tools.gguf_files import F, all_of, write_gguf
@@ -373,9 +373,9 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(
     checkpoint = read_checkpoint(model_dir)
     config = checkpoint.model_config
     full = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    monkeypatch.setattr("nanoqwen.weights.loader.safe_open", SliceOnlyFile)
+    monkeypatch.setattr("nanoqwen.weights.loader.map_safetensors", map_counting_slices)
     for rank in range(size):
-        SliceOnlyFile.elements_read = 0
+        CountingSlice.elements_read = 0
         tp = TensorParallel(rank, size)
         with split_across(tp):
             shard = load_model(checkpoint, torch.float32, torch.device("cpu"))
@@ -387,39 +387,26 @@ def test_each_rank_reads_only_its_slice_of_the_checkpoint(
         padding = (rows - min(rows, config.vocab_size - start)) * config.hidden_size
         tied = config.tie_word_embeddings
         kept = sum(p.numel() for p in params.values())
-        assert SliceOnlyFile.elements_read == kept - padding * (1 if tied else 2)
+        assert CountingSlice.elements_read == kept - padding * (1 if tied else 2)
 
 
-class SliceOnlyFile:
-    """`safe_open` that lets a loader read slices only (it has no `get_tensor`), and
-    counts the elements they hold."""
-
-    elements_read = 0
-
-    def __init__(self, path: str, **options: str) -> None:
-        self.file = safe_open(path, **options)
-
-    def __enter__(self) -> SliceOnlyFile:
-        self.file.__enter__()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.file.__exit__(*exc_info)
-
-    def keys(self) -> list[str]:
-        return self.file.keys()
-
-    def get_slice(self, name: str) -> CountingSlice:
-        return CountingSlice(self.file.get_slice(name))
+def map_counting_slices(path: str) -> tuple[mmap.mmap, dict[str, CountingSlice]]:
+    """`map_safetensors` whose tensors a loader can only index, counting what it reads."""
+    mapping, tensors = map_safetensors(path)
+    return mapping, {name: CountingSlice(tensor) for name, tensor in tensors.items()}
 
 
 class CountingSlice:
+    """A checkpoint tensor that counts the elements it is indexed for."""
+
+    elements_read = 0
+
     def __init__(self, source: TensorSlice) -> None:
         self.source = source
 
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
         tensor = self.source[index]
-        SliceOnlyFile.elements_read += tensor.numel()
+        CountingSlice.elements_read += tensor.numel()
         return tensor
 
 

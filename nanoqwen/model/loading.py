@@ -1,12 +1,12 @@
 """Filling a parameter from a checkpoint tensor: the part of it this rank keeps.
 
 The loader (`weights/loader.py`) hands every parameter the checkpoint tensors that belong to
-it, one at a time, to its module's `load_block(param, source, block)`: `block` says which
-of the checkpoint weights fused into the parameter it is (q, k or v of `qkv_proj`; an
-expert's gate or up rows), and `source` reads only what it is indexed with (safetensors'
-`get_slice`), so a rank of a split model reads just its slice. These are the pieces every
-`load_block` is made of. Invariant: every row of a parameter is written by exactly one
-block, or loading fails naming the weight.
+it, one at a time, to its module's `load_block(param, source, block)`: `block` says which of
+the checkpoint weights fused into the parameter it is (q, k or v of `qkv_proj`; an expert's
+gate or up rows), and `source` reads only what it is indexed with (a view of the
+memory-mapped checkpoint file), so a rank of a split model reads just its slice. These are
+the pieces every `load_block` is made of. Invariant: every row of a parameter is written by
+exactly one block, or loading fails naming the weight.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 
 class TensorSlice(Protocol):
-    """A checkpoint tensor that reads only the part it is indexed with (safetensors'
-    `get_slice(name)`; a plain tensor works too)."""
+    """A checkpoint tensor that reads only the part it is indexed with: a tensor viewing the
+    mapped file (`weights/loader.py`), or anything indexed like one."""
 
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
 

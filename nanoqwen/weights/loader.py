@@ -4,14 +4,28 @@ A checkpoint (`checkpoint.py`) is a directory with `config.json`, tokenizer file
 or more `.safetensors` files (several "shards" plus a `model.safetensors.index.json` for
 large models), or a single llama.cpp `.gguf` file.
 
-Loading reads one tensor at a time, so peak memory is the model plus one tensor, and
-maps transformers' names onto our fused parameters: `q_proj`, `k_proj`, `v_proj` become
-row blocks of `qkv_proj`; `gate_proj`, `up_proj` become row blocks of `gate_up_proj`.
+Loading reads one tensor at a time, and maps transformers' names onto our fused
+parameters: `q_proj`, `k_proj`, `v_proj` become row blocks of `qkv_proj`; `gate_proj`,
+`up_proj` become row blocks of `gate_up_proj`.
 Every parameter row must be written exactly once: a weight the checkpoint lacks, one we
-don't know, or one of the wrong shape is an error naming that weight. Plain safetensors
-tensors are handed over unread (`get_slice`): each parameter's loader (`model/layers.py`)
-indexes the part it keeps, so a model split across ranks never holds a full weight it does
-not keep.
+don't know, or one of the wrong shape is an error naming that weight.
+
+A safetensors file is 8 bytes giving the length of a JSON header, the header (each
+tensor's dtype, shape and byte range), then the tensors' bytes. We memory-map the file and
+hand each tensor over as a view of the mapping (`torch.frombuffer`), unread: each
+parameter's loader (`model/layers.py`) indexes the part it keeps and copies it, and only
+the pages it copies are read, so a model split across ranks reads only its slices. A page
+read through a mapping stays mapped into the process, and counts in its resident memory
+(RSS), until it is unmapped or the process says it is done with it: the kernel may drop
+such a page under pressure (it is a copy of the file), but until it does, reading a 3 GB
+file through a mapping and copying it out holds 3 GB twice. So once the consumer of a
+tensor asks for the next, the loader tells the kernel (`madvise(MADV_DONTNEED)`) that no
+page of the mapping is needed here any more: they leave the process (and stay in the
+kernel's page cache, for the next process that loads the file). The safetensors library
+reads through a mapping of its own, which it cannot be asked to give back, hence the few
+lines reading the format here. Loading peaks at the model plus one tensor; a weight form
+(below) that replaces the loaded weights one at a time frees each as it goes (nothing here
+holds them), so oneDNN packing adds one weight to that peak, not the model.
 
 Quantized checkpoints arrive as float tensors like any other: a GGUF file's tensors are
 dequantized where they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
@@ -27,12 +41,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import mmap
 import os
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from nanoqwen.config import cpu_has_native_bf16
@@ -51,8 +65,16 @@ FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# safetensors' names of the element types it stores.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 # The forms linear weights may be kept in after loading: each converts a loaded model in
-# place, `convert(model, checkpoint, params, scheme)`, from a module imported only when used.
+# place, `convert(model, checkpoint, num_blocks, scheme)` (`num_blocks` from `fill_parameters`),
+# from a module imported only when used.
 WEIGHT_FORMS = {
     "int8": "nanoqwen.weights.quantization:keep_quantized",
     "int4": "nanoqwen.weights.quantization:keep_quantized",
@@ -78,34 +100,45 @@ def load_model(
     memory peaks at the full-precision model before the quantized weights replace them;
     but a `KEPT_AS_LOADED` form keeps each layer as it loads.
     """
-    path, config = checkpoint.path, checkpoint.model_config
+    config = checkpoint.model_config
     scheme = runtime_quantization(quantization, checkpoint, device)
     form = weight_form(scheme, checkpoint, dtype, device)
     # Build on the meta device (no memory, no random init), then allocate for real.
     with default_dtype(dtype), torch.device("meta"):
         model = QwenForCausalLM(config)
     allocate = imported(KEPT_AS_LOADED[form]) if form in KEPT_AS_LOADED else allocate_whole
-    params = allocate(model, device)
     model.rotary = rotary_embedding(config).to(device)  # computed, not loaded
+    num_blocks = fill_parameters(checkpoint, allocate(model, device))
+    if form in WEIGHT_FORMS:
+        imported(WEIGHT_FORMS[form])(model, checkpoint, num_blocks, scheme)
+    return model.eval()
+
+
+def fill_parameters(
+    checkpoint: Checkpoint, params: dict[str, tuple[torch.Tensor, Loader, int]]
+) -> dict[str, int]:
+    """Copy each checkpoint tensor into its parameter (`params`: each one's loader, as
+    `parameter_loaders` gives them); return how many checkpoint weights are fused into each
+    parameter, by name. No parameter outlives this call here: a weight form replaces them
+    one by one, and holding the loaded ones would hold the model twice."""
     filled: dict[str, set[int]] = {name: set() for name in params}
     for name, source in checkpoint_tensors(checkpoint, params):
-        target, block = map_name(name, config)
+        target, block = map_name(name, checkpoint.model_config)
         if target is None or (target not in params and is_unused_zero_bias(name, source, checkpoint)):
             continue
         if target not in params:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint {path}")
+            raise ValueError(f"unexpected weight {name!r} in checkpoint {checkpoint.path}")
         param, load, _ = params[target]
         try:
             load(param, source, block)
         except ShapeMismatch as error:
             raise ValueError(f"shape mismatch for weight {name!r}: {error}") from None
         filled[target].add(block)
-    for name, (_, _, num_blocks) in params.items():
-        if len(filled[name]) < num_blocks:
-            raise ValueError(f"missing weight {name!r} in checkpoint {path}")
-    if form in WEIGHT_FORMS:
-        imported(WEIGHT_FORMS[form])(model, checkpoint, params, scheme)
-    return model.eval()
+    num_blocks = {name: blocks for name, (_, _, blocks) in params.items()}
+    for name, blocks in num_blocks.items():
+        if len(filled[name]) < blocks:
+            raise ValueError(f"missing weight {name!r} in checkpoint {checkpoint.path}")
+    return num_blocks
 
 
 def allocate_whole(model: nn.Module, device: torch.device) -> dict[str, tuple[torch.Tensor, Loader, int]]:
@@ -209,22 +242,45 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def iter_checkpoint(
     model_dir: str, packed: PackedWeights | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every safetensors shard, one tensor at a time, each read
-    only as far as its parameter indexes it; a GPTQ/AWQ layer's packed parts as one
-    unpacked `weight`."""
-    with ExitStack() as stack:
-        # A layer's packed parts may sit in different shards: keep them all open.
-        shard_of = {}
-        for path in safetensors_files(model_dir):
-            shard = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            shard_of.update(dict.fromkeys(shard.keys(), shard))
+    """Yield (name, tensor) from every safetensors shard, one tensor at a time, each a view
+    of the mapped file read only as far as its parameter indexes it; a GPTQ/AWQ layer's
+    packed parts (which may sit in different shards) as one unpacked `weight`."""
+    mappings, tensors = [], {}
+    for path in safetensors_files(model_dir):
+        mapping, shard = map_safetensors(path)
+        mappings.append(mapping)
+        tensors.update(shard)
+    if packed is None:
+        pieces = iter(tensors.items())
+    else:
+        from nanoqwen.weights.gptq_awq import unpack_checkpoint
 
-        if packed is None:  # lazily: a split parameter reads only its slice
-            yield from ((name, shard.get_slice(name)) for name, shard in shard_of.items())
-        else:
-            from nanoqwen.weights.gptq_awq import unpack_checkpoint
+        pieces = unpack_checkpoint(tensors, tensors.__getitem__, packed)
+    for piece in pieces:
+        yield piece
+        # The consumer has copied what it keeps: the pages it read leave this process.
+        for mapping in mappings:
+            mapping.madvise(mmap.MADV_DONTNEED)
 
-            yield from unpack_checkpoint(shard_of, lambda name: shard_of[name].get_tensor(name), packed)
+
+def map_safetensors(path: str) -> tuple[mmap.mmap, dict[str, torch.Tensor]]:
+    """A safetensors file mapped into memory, and its tensors as views of the mapping. The
+    mapping is copy-on-write, so torch may view it as writable; nothing writes to it."""
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_size))
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        dtype, (begin, end) = SAFETENSORS_DTYPES[entry["dtype"]], entry["data_offsets"]
+        if begin == end:  # torch.frombuffer cannot view zero bytes
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        count, offset = (end - begin) // dtype.itemsize, 8 + header_size + begin
+        view = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset)
+        tensors[name] = view.view(entry["shape"])
+    return mapping, tensors
 
 
 def safetensors_files(model_dir: str) -> list[str]:

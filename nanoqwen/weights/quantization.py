@@ -67,7 +67,7 @@ TORCHAO_IMPORT_NOISE = {
 
 
 def keep_quantized(
-    model: nn.Module, checkpoint: object, params: object, scheme: WeightQuantization
+    model: nn.Module, checkpoint: object, num_blocks: object, scheme: WeightQuantization
 ) -> None:
     """The loader's "int8" and "int4" weight forms: `quantize_linears`."""
     quantize_linears(model, scheme)
