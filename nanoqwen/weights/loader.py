@@ -107,10 +107,8 @@ def load_model(
     with default_dtype(dtype), torch.device("meta"):
         model = QwenForCausalLM(config)
     allocate = imported(KEPT_AS_LOADED[form]) if form in KEPT_AS_LOADED else allocate_whole
-    params = allocate(model, device)
+    num_blocks = fill_parameters(checkpoint, allocate(model, device))
     model.rotary = rotary_embedding(config).to(device)  # computed, not loaded
-    num_blocks = fill_parameters(checkpoint, params)
-    del params  # see `fill_parameters`: a weight form frees each loaded weight it replaces
     if form in WEIGHT_FORMS:
         imported(WEIGHT_FORMS[form])(model, checkpoint, num_blocks, scheme)
     return model.eval()
