@@ -181,6 +181,12 @@ class EngineLoop:
         with self._lock:
             return self._state
 
+    @property
+    def num_admitted(self) -> int:
+        """Admission slots held now: by engine requests and by requests being prepared."""
+        with self._lock:
+            return self._num_admitted
+
     def call(self, function: Callable[[LLMEngine], T]) -> T:
         """Run `function(engine)` on the engine thread; return its result or raise its error."""
         return self._enqueue(function).result()
