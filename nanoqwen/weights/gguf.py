@@ -24,14 +24,16 @@ one tensor per part (`blk.N.ffn_gate_exps.weight` `[E, rows, cols]`, the router 
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -89,6 +91,8 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
         message = f"{path}: could not read the model config from its metadata: {error}"
         raise ValueError(message) from error
     hf.architectures = [ARCHITECTURES[architecture][1]]
+    # transformers counts the vocabulary's tokens, left unread: the embedding has a row each.
+    hf.vocab_size = vocabulary_size(reader, path)
     if architecture in RENORMALISES_TOP_K:
         read_expert_sizes(hf, reader, architecture)
     # transformers leaves a Qwen3 file at Qwen3Config's default head_dim (128); the file says.
@@ -103,6 +107,14 @@ def read_gguf_config(path: str) -> tuple[PretrainedConfig, int]:
         if original is not None:
             hf.rope_parameters["original_max_position_embeddings"] = original
     return hf, linear_weight_bits(reader)
+
+
+def vocabulary_size(reader: gguf.GGUFReader, path: str) -> int:
+    """Rows of the file's embedding (GGUF lists a matrix's shape innermost first)."""
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])
+    raise ValueError(f"{path}: the file has no token embedding (token_embd.weight)")
 
 
 def read_expert_sizes(hf: PretrainedConfig, reader: gguf.GGUFReader, architecture: str) -> None:
@@ -285,21 +297,44 @@ class PlainArrayReader(gguf.GGUFReader):
 
 @contextmanager
 def transformers_reading_plainly() -> Iterator[None]:
-    """transformers reads a GGUF file's metadata (for the config, then the tokenizer) with
-    `gguf.GGUFReader`, imported from the package when it reads: give it ours meanwhile."""
-    own = gguf.GGUFReader
-    gguf.GGUFReader = PlainArrayReader
-    try:
+    """Have transformers read a GGUF file's metadata through plain array views.
+
+    transformers reads a config with `gguf.GGUFReader`, imported from the package when it
+    reads: it gets our `TensorReader` meanwhile, as no config value is an array. Its
+    tokenizer reads the vocabulary and merges with a reader of its own, over an `np.memmap`
+    of the file: it gets a plain view of the same mapping (`PlainArrayReader` says why).
+    A config so read counts no tokens, so transformers' check of its special tokens against
+    an empty vocabulary is silenced; `read_gguf_config` sets the size from the embedding.
+    """
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(gguf, "GGUFReader", TensorReader))
+        config_log = logging.getLogger("transformers.configuration_utils")
+        config_log.addFilter(empty_vocabulary)
+        patches.callback(config_log.removeFilter, empty_vocabulary)
+        try:
+            from transformers.integrations.gguf import reader
+        except ImportError:  # an older transformers, which reads through gguf's reader only
+            reader = None
+        if hasattr(reader, "_mapped"):
+            patches.enter_context(mock.patch.object(reader, "_mapped", mapped_plainly))
         yield
-    finally:
-        gguf.GGUFReader = own
+
+
+def empty_vocabulary(record: logging.LogRecord) -> bool:
+    """False for transformers' warning that a token id is outside a vocabulary of 0 tokens."""
+    return "(between 0 and -1)" not in record.getMessage()
+
+
+def mapped_plainly(path: str) -> np.ndarray:
+    """The file as bytes, a plain view of a read-only memory map (which it keeps open)."""
+    return np.memmap(path, mode="r", dtype=np.uint8).view(np.ndarray)
 
 
 class TensorReader(PlainArrayReader):
     """`PlainArrayReader` that steps over the metadata's arrays (a tokenizer's vocabulary,
     token types and merges) without reading them, item by item as gguf does: their fields
-    have no contents. Ours are the metadata's single values and the tensors; transformers
-    reads the arrays, through a `PlainArrayReader`."""
+    have no contents. Ours, and a config's, are the metadata's single values and the
+    tensors."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
         item_type = self._get(orig_offs, np.uint32) if raw_type == gguf.GGUFValueType.ARRAY else None
