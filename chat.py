@@ -78,6 +78,7 @@ from nanoqwen.sampling.params import DEFAULTABLE_SETTINGS
 from nanoqwen.text.chat_template import default_system_prompt
 from nanoqwen.text.generation_config import FALLBACK_SAMPLING
 from nanoqwen.text.stop_strings import partial_match_length
+from nanoqwen.weights import loader
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 
 try:  # not on every platform; where present, input() gets line editing and history
@@ -501,11 +502,16 @@ def load(model: str, console: Console, options: dict[str, Any]) -> LLM:
             model_dir = resolve_model_path(model)
         except ValueError as error:  # it already says what to pass instead
             raise click.ClickException(f"--model: {error}") from None
-    with console.status("Loading weights and warming up…"):
+    with console.status("Loading weights and warming up…") as status:
+        loader.on_tensor_loaded = lambda done, total: status.update(
+            f"Loading weights {done}/{total} tensors…" if done < total else "Warming up…"
+        )
         try:
             return LLM(model_dir, **one_conversation(model_dir, options))
         except (ValueError, OSError) as error:
             raise click.ClickException(in_flags(str(error).splitlines()[0])) from None
+        finally:
+            loader.on_tensor_loaded = None
 
 
 def one_conversation(model_dir: str, options: dict[str, Any]) -> dict[str, Any]:

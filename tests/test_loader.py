@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nanoqwen import LLM
+from nanoqwen.weights import loader
 from nanoqwen.weights.checkpoint import read_checkpoint, resolve_model_path
 from nanoqwen.weights.loader import iter_checkpoint, load_model
 from tools.checkpoints import build_qwen2, build_qwen3
@@ -44,6 +45,18 @@ def test_fused_parameters_hold_the_checkpoint_blocks(model_dir: str) -> None:
     gate, up = ours.mlp.gate_up_proj.weight.chunk(2)
     torch.testing.assert_close(up, theirs.mlp.up_proj.weight, rtol=0, atol=0)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == config.tie_word_embeddings
+
+
+def test_the_load_reports_each_tensor_in_order(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command line's progress hook sees 1..total, total the checkpoint's tensors."""
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(loader, "on_tensor_loaded", lambda done, total: seen.append((done, total)))
+    checkpoint = read_checkpoint(model_dir)
+    load_model(checkpoint, torch.float32, torch.device("cpu"))
+    total = sum(1 for _ in iter_checkpoint(checkpoint.path, checkpoint.packed))
+    assert seen == [(done, total) for done in range(1, total + 1)]
 
 
 def test_sharded_checkpoint_loads(qwen2_dir: str, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from nanoqwen.server.settings import (
     WRITE_TIMEOUT_SECONDS,
     ServerSettings,
 )
+from nanoqwen.weights import loader
 
 logger = logging.getLogger("nanoqwen.server")
 
@@ -132,6 +133,12 @@ class OpenAIServer(ThreadingHTTPServer):
         super().server_close()  # closes the listening socket, joins every handler thread
 
 
+def log_quarters(done: int, total: int) -> None:
+    """Log the weights' load at each quarter of its tensors."""
+    if done * 4 // total > (done - 1) * 4 // total:
+        logger.info("loaded %d of %d weight tensors", done, total)
+
+
 def refuse(connection: socket.socket) -> None:
     """Answer 503 without blocking the accepting thread: the answer fits the send buffer."""
     error = APIError(503, "too many connections are open; retry later", "server_error",
@@ -198,7 +205,11 @@ def make_server(
         if takes_port_first:
             server.listen()
         logger.info("loading %s", model)  # once the port is ours: a taken one fails first
-        engine = LLMEngine(model, **engine_options)
+        loader.on_tensor_loaded = log_quarters
+        try:
+            engine = LLMEngine(model, **engine_options)
+        finally:
+            loader.on_tensor_loaded = None
         if not takes_port_first:
             server.listen()
     except BaseException:

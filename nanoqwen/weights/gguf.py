@@ -54,6 +54,9 @@ FOUR_BIT_TYPES = {
     gguf.GGMLQuantizationType.Q4_1: (4, 16),
     gguf.GGMLQuantizationType.Q4_K: (16, 32),
 }
+# Rows dequantized at a time by numpy: enough to spread its per-call cost, few enough to
+# keep the temporaries in cache.
+ROWS_PER_DEQUANTIZE = 256
 # llama.cpp's architecture name → (gguf's enum for its tensor names, transformers' class).
 ARCHITECTURES = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, "Qwen2ForCausalLM"),
@@ -251,13 +254,25 @@ def dequantize(
     if qtype in FOUR_BIT_TYPES:  # torch's vectorized arithmetic, not numpy's per row
         return codes_of(qtype, data).weight().view(*data.shape[:-1], -1)
     try:
-        values = gguf.dequantize(data, qtype)
+        values = dequantized_rows(qtype, data)
     except NotImplementedError as error:
         raise ValueError(
             f"{path}: tensor {name!r} has type {qtype.name}, which cannot be dequantized"
         ) from error
     # Unquantized types come back as views of the read-only memory-mapped file.
     return torch.from_numpy(np.array(values, copy=not values.flags.writeable))
+
+
+def dequantized_rows(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> np.ndarray:
+    """`gguf.dequantize`, the same numbers, `ROWS_PER_DEQUANTIZE` rows at a time where gguf
+    takes 16: its Python per group cost a third of the time."""
+    quant = getattr(gguf.quants, qtype.name, None)  # a class per block type: Q6_K, IQ2_XS, ...
+    if quant is None:  # F32 and F16, which gguf views or converts whole
+        return gguf.dequantize(data, qtype)
+    rows = data.reshape(-1, data.shape[-1])
+    groups = [quant.dequantize_rows(rows[start : start + ROWS_PER_DEQUANTIZE])
+              for start in range(0, len(rows), ROWS_PER_DEQUANTIZE)]
+    return np.concatenate(groups).reshape(*data.shape[:-1], -1)
 
 
 class PlainArrayReader(gguf.GGUFReader):

@@ -84,6 +84,8 @@ WEIGHT_FORMS = {
 # made: `allocate(model, device)` gives the meta-built model memory in place of
 # `allocate_whole`, and returns loaders that build each layer's kept form.
 KEPT_AS_LOADED = {"gguf_codes": "nanoqwen.weights.gguf_codes:allocate_kept"}
+# Set by a command line to show the load's progress: called with (tensors loaded, of all).
+on_tensor_loaded: Callable[[int, int], None] | None = None
 
 
 def load_model(
@@ -122,6 +124,7 @@ def fill_parameters(
     parameter, by name. No parameter outlives this call here: a weight form replaces them
     one by one, and holding the loaded ones would hold the model twice."""
     filled: dict[str, set[int]] = {name: set() for name in params}
+    loaded, total = 0, sum(blocks for _, _, blocks in params.values())
     for name, source in checkpoint_tensors(checkpoint, params):
         target, block = map_name(name, checkpoint.model_config)
         if target is None or (target not in params and is_unused_zero_bias(name, source, checkpoint)):
@@ -134,6 +137,9 @@ def fill_parameters(
         except ShapeMismatch as error:
             raise ValueError(f"shape mismatch for weight {name!r}: {error}") from None
         filled[target].add(block)
+        loaded += 1
+        if on_tensor_loaded is not None:
+            on_tensor_loaded(loaded, total)
     num_blocks = {name: blocks for name, (_, _, blocks) in params.items()}
     for name, blocks in num_blocks.items():
         if len(filled[name]) < blocks:
