@@ -54,8 +54,7 @@ FOUR_BIT_TYPES = {
     gguf.GGMLQuantizationType.Q4_1: (4, 16),
     gguf.GGMLQuantizationType.Q4_K: (16, 32),
 }
-# Rows dequantized at a time by numpy: enough to spread its per-call cost, few enough to
-# keep the temporaries in cache.
+# Rows numpy dequantizes at a time: enough to spread its per-call cost, its temporaries cached.
 ROWS_PER_DEQUANTIZE = 256
 # llama.cpp's architecture name → (gguf's enum for its tensor names, transformers' class).
 ARCHITECTURES = {
@@ -264,8 +263,7 @@ def dequantize(
 
 
 def dequantized_rows(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> np.ndarray:
-    """`gguf.dequantize`, the same numbers, `ROWS_PER_DEQUANTIZE` rows at a time where gguf
-    takes 16: its Python per group cost a third of the time."""
+    """`gguf.dequantize`'s numbers, `ROWS_PER_DEQUANTIZE` rows at a time (gguf's 16: slower)."""
     quant = getattr(gguf.quants, qtype.name, None)  # a class per block type: Q6_K, IQ2_XS, ...
     if quant is None:  # F32 and F16, which gguf views or converts whole
         return gguf.dequantize(data, qtype)
@@ -312,15 +310,11 @@ class PlainArrayReader(gguf.GGUFReader):
 
 @contextmanager
 def transformers_reading_plainly() -> Iterator[None]:
-    """Have transformers read a GGUF file's metadata through plain array views.
-
-    transformers reads a config with `gguf.GGUFReader`, imported from the package when it
-    reads: it gets our `TensorReader` meanwhile, as no config value is an array. Its
-    tokenizer reads the vocabulary and merges with a reader of its own, over an `np.memmap`
-    of the file: it gets a plain view of the same mapping (`PlainArrayReader` says why).
-    A config so read counts no tokens, so transformers' check of its special tokens against
-    an empty vocabulary is silenced; `read_gguf_config` sets the size from the embedding.
-    """
+    """transformers reads a config with `gguf.GGUFReader`, imported from the package as it
+    reads: ours (`TensorReader`) meanwhile, as no config value is an array. Its tokenizer
+    reads the vocabulary and merges over an `np.memmap`: a plain view of it instead
+    (`PlainArrayReader` says why). As a config so read counts no tokens, the check of its
+    special tokens against an empty vocabulary is silenced (`read_gguf_config` sizes it)."""
     with ExitStack() as patches:
         patches.enter_context(mock.patch.object(gguf, "GGUFReader", TensorReader))
         config_log = logging.getLogger("transformers.configuration_utils")
@@ -328,7 +322,7 @@ def transformers_reading_plainly() -> Iterator[None]:
         patches.callback(config_log.removeFilter, empty_vocabulary)
         try:
             from transformers.integrations.gguf import reader
-        except ImportError:  # an older transformers, which reads through gguf's reader only
+        except ImportError:  # an older transformers reads through gguf's reader only
             reader = None
         if hasattr(reader, "_mapped"):
             patches.enter_context(mock.patch.object(reader, "_mapped", mapped_plainly))
@@ -341,7 +335,7 @@ def empty_vocabulary(record: logging.LogRecord) -> bool:
 
 
 def mapped_plainly(path: str) -> np.ndarray:
-    """The file as bytes, a plain view of a read-only memory map (which it keeps open)."""
+    """The file's bytes: a plain view of a read-only memory map, which it keeps open."""
     return np.memmap(path, mode="r", dtype=np.uint8).view(np.ndarray)
 
 
