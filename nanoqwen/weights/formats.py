@@ -42,7 +42,7 @@ class FourBitCodes:
     come to this.
     """
 
-    codes: torch.Tensor  # uint8 [out, in], each 0..15
+    codes: torch.Tensor  # int32 [out, in], each 0..15
     scales: torch.Tensor  # float32 [out, in // GGUF_GROUP_SIZE]
     offsets: torch.Tensor  # float32, like scales
 
@@ -55,6 +55,8 @@ class FourBitCodes:
     @classmethod
     def stacked(cls, parts: list[FourBitCodes]) -> FourBitCodes:
         """The parts' rows one after another, as a fused weight holds them."""
+        if len(parts) == 1:
+            return parts[0]
         return cls(
             torch.cat([part.codes for part in parts]),
             torch.cat([part.scales for part in parts]),

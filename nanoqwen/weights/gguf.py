@@ -215,7 +215,8 @@ def codes_of(qtype: gguf.GGMLQuantizationType, data: np.ndarray) -> FourBitCodes
     rows = int(np.prod(data.shape[:-1]))
     blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
     packed = blocks[:, codes_start:].reshape(len(blocks), -1, 1, run)
-    codes = (packed >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    shifts = np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = np.bitwise_and(packed >> shifts, 0x0F, dtype=np.int32)  # torch's int4 packing's type
     scales, offsets = group_scales(qtype, blocks)
     return FourBitCodes(
         *(torch.from_numpy(array.reshape(rows, -1)) for array in (codes, scales, offsets))
