@@ -125,7 +125,10 @@ def main(
         signal.signal(signal_number, lambda *_: stop.set())
     serving = threading.Thread(target=server.serve_forever, name="nanoqwen-http")
     serving.start()
-    stop.wait()
+    # A signal may land on any thread (an OpenMP worker's, say); Python then runs its handler
+    # only when the main thread next runs bytecode, which an untimed wait would never do.
+    while not stop.wait(timeout=0.25):
+        pass
     logger.info("stopping: aborting requests in flight")
     server.shutdown()
     server.server_close()
