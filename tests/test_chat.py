@@ -2,11 +2,14 @@
 
 End-to-end tests drive `python chat.py` against the tiny Qwen3 fixture, either through a
 pseudo-terminal (pexpect: the interactive UI, Ctrl-C, line editing) or with piped stdin (the
-scripted mode, whose output is compared with the engine's own replies). Greedy decoding with
-small `--max-tokens` keeps the replies deterministic and short; `--page-size 4` makes even
-a short prompt fill whole pages, so the prefix cache has something to reuse. Line editing is
-checked on the screen a terminal emulator (pyte) draws from the pty's output, the way a
-user sees it. Every test keeps chat's history file in a temporary data directory.
+scripted mode, whose output is compared with the engine's own replies). Past one piped run
+and one refusal as a user starts them, the scripted mode's commands and options run the
+same click command in this process, with the lines as its stdin (`chat_in_process`).
+Greedy decoding with small `--max-tokens` keeps the replies deterministic and short;
+`--page-size 4` makes even a short prompt fill whole pages, so the prefix cache has
+something to reuse. Line editing is checked on the screen a terminal emulator (pyte)
+draws from the pty's output, the way a user sees it. Every test keeps chat's history file
+in a temporary data directory.
 """
 
 import importlib.util
@@ -28,6 +31,7 @@ from typing import Any
 import pexpect
 import pyte
 import pytest
+from click.testing import CliRunner, Result
 from rich.console import Console
 from rich.filesize import decimal
 
@@ -204,9 +208,9 @@ def test_system_command_names_the_templates_own_default(qwen3_dir: str, tmp_path
     does): /system says what it writes instead of "No system prompt."."""
     model = model_copy(qwen3_dir, tmp_path / "model")
     (Path(model) / "chat_template.jinja").write_text(DEFAULT_SYSTEM_TEMPLATE)
-    result = run_piped([str(CHAT_SCRIPT), "--model", model, "--device", "cpu", "--max-tokens", "4"],
-                       ["/system"])
-    assert result.returncode == 0, result.stderr
+    args = ["--model", model, "--device", "cpu", "--max-tokens", "4"]
+    result = chat_in_process(args, ["/system"])
+    assert result.exit_code == 0, result.output
     assert result.stdout == (
         f"No system prompt of yours; the chat template adds its own: {QWEN25_DEFAULT}\n"
     )
@@ -232,16 +236,23 @@ DEFAULT_SYSTEM_TEMPLATE = (
 
 # --------------------------------------------------------------------------- the CLI
 def chat_args(model_dir: str, *extra: str, greedy: bool = True) -> list[str]:
+    """chat.py's options (after the script's name on a command line)."""
     sampling = ["--temperature", "0"] if greedy else []
-    return [str(CHAT_SCRIPT), "--model", model_dir, "--device", "cpu", *sampling, "--page-size", "4",
+    return ["--model", model_dir, "--device", "cpu", *sampling, "--page-size", "4",
             "--system", SYSTEM, *extra]
 
 
 def run_piped(args: list[str], lines: list[str]) -> subprocess.CompletedProcess:
+    """`python chat.py ARGS` with `lines` piped to its stdin."""
     return subprocess.run(
-        [sys.executable, *args], input="".join(f"{line}\n" for line in lines),
+        [sys.executable, str(CHAT_SCRIPT), *args], input="".join(f"{line}\n" for line in lines),
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
+
+
+def chat_in_process(args: list[str], lines: list[str]) -> Result:
+    """chat.py's command in this process, `lines` on its stdin (not a terminal, as a pipe)."""
+    return CliRunner().invoke(chat.main, args, input="".join(f"{line}\n" for line in lines))
 
 
 def oracle(model_dir: str, max_tokens: int) -> tuple[LLM, SamplingParams]:
@@ -281,8 +292,8 @@ def test_piped_commands_and_messages_that_start_with_a_slash(qwen3_dir: str) -> 
         "/system Be brief.", "once more", "/system --clear", "/system",
         "/usr/bin is a folder", "//reset", "/stats", "/exit", "unread",
     ]
-    result = run_piped(chat_args(qwen3_dir, "--max-tokens", "6", "--no-think"), lines)
-    assert result.returncode == 0, result.stderr
+    result = chat_in_process(chat_args(qwen3_dir, "--max-tokens", "6", "--no-think"), lines)
+    assert result.exit_code == 0, result.output
     llm, params = oracle(qwen3_dir, max_tokens=6)
 
     def answer(messages: list[dict[str, str]], text: str) -> str:
@@ -318,24 +329,24 @@ def test_sampling_defaults_come_from_generation_config_and_options_override_them
         generation_config={"do_sample": True, "temperature": 0.2, "top_p": 0.8, "top_k": 1},
     )
     llm, greedy = oracle(model, max_tokens=8)
-    by_the_model = run_piped(chat_args(model, "--max-tokens", "8", greedy=False), ["hello there"])
-    assert by_the_model.returncode == 0, by_the_model.stderr
+    by_the_model = chat_in_process(
+        chat_args(model, "--max-tokens", "8", greedy=False), ["hello there"]
+    )
+    assert by_the_model.exit_code == 0, by_the_model.output
     assert by_the_model.stdout == f"{converse(llm, greedy, [system()], 'hello there')}\n"
 
     # Options given override the model's settings; the ones left out still come from it (the
     # fallback's temperature 0.6 or top_p 0.95 would each sample other tokens with this seed).
     args = chat_args(model, "--max-tokens", "8", "--top-k", "0", "--seed", "7", greedy=False)
-    overridden = run_piped(args, ["hello there"])
-    assert overridden.returncode == 0, overridden.stderr
+    overridden = chat_in_process(args, ["hello there"])
+    assert overridden.exit_code == 0, overridden.output
     sampled = SamplingParams(temperature=0.2, top_p=0.8, top_k=0, seed=7, max_tokens=8)
     assert overridden.stdout == f"{converse(llm, sampled, [system()], 'hello there')}\n"
 
 
 def test_help_says_where_sampling_defaults_come_from() -> None:
-    result = subprocess.run(
-        [sys.executable, str(CHAT_SCRIPT), "-h"], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
+    result = CliRunner().invoke(chat.main, ["-h"])
+    assert result.exit_code == 0, result.output
     help_text = " ".join(result.stdout.split())  # click wraps lines
     assert "--model TEXT A Hugging Face hub id, a local checkpoint directory or a .gguf file" in (
         help_text
@@ -451,7 +462,8 @@ def spawn_chat(
     """chat.py in a pseudo-terminal, at its first prompt, its output drawn on `screen` if
     one is given. TERM=dumb is plain text: no colours, no cursor movement, no spinner."""
     child = pexpect.spawn(
-        sys.executable, chat_args(model_dir, "--max-tokens", str(max_tokens)), cwd=str(ROOT),
+        sys.executable, [str(CHAT_SCRIPT), *chat_args(model_dir, "--max-tokens", str(max_tokens))],
+        cwd=str(ROOT),
         env={**os.environ, "TERM": term}, encoding="utf-8", timeout=60,
         dimensions=(SCREEN_ROWS, SCREEN_COLUMNS),
     )
