@@ -22,6 +22,12 @@ as CPU processes) fails there. `tests_name_their_device` refuses an engine that 
 say, on any machine, so a test that forgets fails here too, not only on a GPU. Code written
 for readers names no device; a test that runs it asks for `a_machine_without_a_gpu`.
 
+Under xdist each worker takes its share of the cores for torch's threads (OMP_NUM_THREADS,
+set before torch is imported, and inherited by the processes the tests start): two workers
+of two threads on a 2-core machine keep descheduling each other's threads in the middle of
+parallel regions, which then wait for them: tests that compute took about twice as long.
+A test that needs a thread count sets it.
+
 Ctrl-C raises `KeyboardInterrupt` in the tests and in the processes they start, as from a
 terminal, whatever the run inherited: a job started in the background (`pytest … &`, as
 many CI runners start one) comes with SIGINT ignored, which every child would inherit.
@@ -32,6 +38,9 @@ import signal
 
 if os.environ.get("NANOQWEN_TEST_KERNELS") != "native":
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # set by xdist in its workers
+    cores_each = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores_each)))
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
