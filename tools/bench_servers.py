@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_SECONDS = 900.0  # loading a model (and vLLM's start-up) on a busy CPU
 STOP_TIMEOUT_SECONDS = 30.0
 # As the offline comparison runs vLLM (tools/peers/vllm_runner.py): its model on every
-# thread bench runs (by default its server keeps a core for itself), a KV cache of 4 GiB.
-VLLM_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "4"}
+# thread bench runs (`peer_environment` binds them), a KV cache of 4 GiB.
+VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "4"}
 LOG_TAIL_LINES = 20
 
 

@@ -24,7 +24,6 @@ def main() -> None:
     job = json.load(sys.stdin)
     results = result_stream()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step it in this process
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 4)))
     import torch
     import vllm
