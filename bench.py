@@ -794,6 +794,7 @@ class LoadBench:
         self.bench, self.load, self.settings = bench, load, settings
         self.rounds: dict[str, dict[str, list[Metrics]]] = {}  # engine → rate → rounds
         self.texts: dict[str, list[str]] = {}  # the engine's texts at each rate, in order
+        self.unavailable: dict[str, str] = {}  # server → why it did not start or answer
 
     def engine_rounds(self, options: dict[str, Any], index: int) -> None:
         label = "nanoqwen"
@@ -822,8 +823,8 @@ class LoadBench:
                 for rate in self.load.rates:
                     description = f"{label}, {describe_rate(rate)}, round {index + 1}"
                     self._add(label, rate, self._drive(endpoint, rate, description))
-        except PeerUnavailable as error:  # it did not start, or did not answer
-            raise click.ClickException(str(error)) from None
+        except PeerUnavailable as error:  # it did not start, or did not answer: the
+            self.unavailable[label] = str(error)  # others' figures are still reported
 
     def _warm_up(self, endpoint: Endpoint) -> None:
         prompt = random.Random(0).choices(self.bench.token_ids, k=WARMUP_PROMPT_TOKENS)
@@ -862,7 +863,8 @@ class LoadBench:
         over the in-process engine's (the same requests, the same arrivals)."""
         runs = {label: {rate: median_round(rounds) for rate, rounds in by_rate.items()}
                 for label, by_rate in self.rounds.items()}
-        result: Metrics = {"settings": self.settings, "load": runs, "rounds": self.rounds}
+        result: Metrics = {"settings": self.settings, "load": runs, "rounds": self.rounds,
+                           "unavailable": self.unavailable}
         if "nanoqwen" in runs:
             result["vs_engine"] = {
                 label: {rate: figures["output_tok_s"] / runs["nanoqwen"][rate]["output_tok_s"]
@@ -1412,6 +1414,8 @@ def main(
         print_load_report(console, result)
         if json_path is not None:
             json_path.write_text(json.dumps({"environment": environment, **result}, indent=2))
+        if result["unavailable"]:
+            raise click.ClickException("\n".join(result["unavailable"].values()))
         return
     with status_console.status("measuring the memory bandwidth"):
         bandwidth = measure_bandwidth(torch.device(settings["device"]))

@@ -725,6 +725,47 @@ def test_a_peer_runs_with_its_own_defaults_not_those_nanoqwen_set(
     assert env["PATH"] == os.environ["PATH"]
 
 
+def test_vllm_runs_on_a_list_of_the_benchmarks_cores_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.32 refuses the binding `all`: bench names the cores, as many as its threads."""
+    from tools.bench_peers import peer_environment
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    bound = peer_environment(threads=1)["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bound == str(cores[0])
+    assert peer_environment(threads=len(cores))["VLLM_CPU_OMP_THREADS_BIND"].split(",") == [
+        str(core) for core in cores
+    ]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's own choice
+    assert peer_environment(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_a_server_that_does_not_start_leaves_the_others_figures(
+    tmp_path: Path, qwen3_dir: str
+) -> None:
+    """vLLM's server refusing to start (here: a thread binding it refuses) fails the run,
+    naming why, after the engine's figures are printed and written all the same."""
+    out = tmp_path / "result.json"
+    completed = subprocess.run(
+        [sys.executable, str(BENCH), "--model", qwen3_dir, *cli_args(workload(num_seqs=2)),
+         "--serve", "--compare", "vllm", "--max-concurrency", "2", "--device", "cpu",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+             "PYTHONPATH": f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             "VLLM_CPU_OMP_THREADS_BIND": "all"},
+    )
+    assert completed.returncode == 1
+    assert "vLLM's server exited" in completed.stderr and "'all'" in completed.stderr
+    assert "Traceback (most recent call last)" not in completed.stderr.split("exited")[0]
+    assert "Under load" in completed.stdout
+    result = json.loads(out.read_text())
+    assert list(result["load"]) == ["nanoqwen", "nanoqwen server"]
+    assert list(result["unavailable"]) == ["vLLM server"]
+
+
 def test_an_untied_embedding_is_read_one_row_per_token(qwen2_dir: str) -> None:
     from tools.bench_floor import bytes_read_per_token
 

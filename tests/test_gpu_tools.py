@@ -29,8 +29,8 @@ from test_bench import bench
 from tools import gpu_check, gpu_wheels
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-CUDA_PARTS = ["install", "kernels", "pytest", "checkpoint",
-              "bench_graphs", "bench_eager", "bench_torch", "bench_batch1"]
+CUDA_PARTS = ["install", "kernels", "checkpoint",
+              "bench_graphs", "bench_eager", "bench_torch", "bench_batch1", "pytest"]
 
 
 # ----------------------------------------------------------------- gpu_check.sh, dry run
@@ -61,8 +61,8 @@ def test_a_dry_run_skips_every_cuda_part_and_says_why(dry_run: dict[str, Any]) -
     else:
         assert report["dry_run_reason"].startswith("no CUDA GPU")
     parts = {part["name"]: part for part in report["parts"]}
-    assert list(parts) == ["install", "environment", "kernels", "pytest", "checkpoint",
-                           "bench_graphs", "bench_eager", "bench_torch", "bench_batch1"]
+    assert list(parts) == ["install", "environment", "kernels", "checkpoint", "bench_graphs",
+                           "bench_eager", "bench_torch", "bench_batch1", "pytest"]
     for name in CUDA_PARTS:
         assert parts[name]["status"] == "skipped"
         assert parts[name]["note"].startswith("dry run")
@@ -144,9 +144,10 @@ if args[:2] == ["-m", "tools.gpu_check"] and args[2] in ("capability", "report")
     os.execv(sys.executable, [sys.executable, *args])
 if args[:3] == ["-m", "pip", "install"]:
     Path(args[args.index("--target") + 1]).mkdir(parents=True)
-    sys.exit(0)
 if os.environ["FAKE_FAIL"] in " ".join(args):
     sys.exit(3)
+if args[:3] == ["-m", "pip", "install"]:
+    sys.exit(0)
 out = next(args[i + 1] for i, arg in enumerate(args) if arg in ("--out", "--json", "--junitxml"))
 shutil.copy(canned / Path(out).name, out)
 print("ran", " ".join(args[:3]))
@@ -169,7 +170,8 @@ def bench_result(output_tok_s: float, batch_one: bool = False) -> dict[str, Any]
 def on_a_gpu(tmp_path: Path):
     """Runs the check on stand-ins for nvidia-smi and for the GPU machine's Python (its calls
     fail where their command line holds `fail`); returns the exit status, the JSON, the log
-    and the calls the stand-in saw (command line, FLASHINFER_CUDA_ARCH_LIST, PYTHONPATH)."""
+    and the calls the stand-in saw (command line, FLASHINFER_CUDA_ARCH_LIST, PYTHONPATH).
+    The wheels go into `tmp_path / "cache"`, where a second run finds them."""
     canned, bin_dir, wheels, out = (tmp_path / name for name in ("canned", "bin", "w", "out"))
     for folder in (canned, bin_dir, wheels):
         folder.mkdir()
@@ -195,11 +197,13 @@ def on_a_gpu(tmp_path: Path):
         script.chmod(0o755)
 
     def run(fail: str) -> dict[str, Any]:
+        (canned / "calls.txt").unlink(missing_ok=True)
         completed = subprocess.run(
             ["bash", str(REPOSITORY / "tools" / "gpu_check.sh"), str(out)],
             capture_output=True, text=True, timeout=120,
             env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                  "PYTHON": str(python), "WHEELS": str(wheels), "TMPDIR": str(tmp_path),
+                 "XDG_CACHE_HOME": str(tmp_path / "cache"),
                  "FLASHINFER_CUDA_ARCH_LIST": "", "FAKE_FAIL": fail},
         )
         calls = [line.split("\t") for line in (canned / "calls.txt").read_text().splitlines()]
@@ -210,7 +214,9 @@ def on_a_gpu(tmp_path: Path):
     return run
 
 
-def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(on_a_gpu) -> None:
+def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(
+    on_a_gpu, tmp_path: Path
+) -> None:
     """The order of the parts, what each is given (the wheels' folder first on PYTHONPATH,
     flashinfer's target architecture), and a report of everything they wrote, a failed
     part included."""
@@ -219,11 +225,11 @@ def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(on_a_gpu)
     report = run["json"]
     statuses = [(part["name"], part["status"]) for part in report["parts"]]
     assert statuses == [
-        ("install", "ok"), ("environment", "ok"), ("kernels", "ok"), ("pytest", "ok"),
-        ("checkpoint", "ok"), ("bench_graphs", "ok"), ("bench_eager", "ok"),
-        ("bench_torch", "failed"), ("bench_batch1", "ok"),
+        ("install", "ok"), ("environment", "ok"), ("kernels", "ok"), ("checkpoint", "ok"),
+        ("bench_graphs", "ok"), ("bench_eager", "ok"), ("bench_torch", "failed"),
+        ("bench_batch1", "ok"), ("pytest", "ok"),
     ]
-    assert report["parts"][7]["note"] == "exit status 3"
+    assert report["parts"][6]["note"] == "exit status 3"
     assert report["mode"] == "gpu" and report["ok"] is False
     assert report["tests"]["passed"] == 1 and report["kernels"]["seconds"] == 95.0
     assert sorted(report["benchmarks"]) == ["bench_batch1", "bench_eager", "bench_graphs"]
@@ -232,13 +238,55 @@ def test_on_a_gpu_every_part_runs_in_order_and_the_report_gathers_them(on_a_gpu)
     assert summary["bench_batch1"]["wall_over_dense_matmul_floor"] == 3.0
     assert summary["kernel_build_s"] == 95.0
 
-    site = run["calls"][0][0].split("--target ")[1].split()[0]
+    target = run["calls"][0][0].split("--target ")[1].split()[0]
+    site = target.removesuffix(".partial")
+    assert Path(site).parent == tmp_path / "cache" / "nanoqwen" / "gpu-check"
+    assert Path(site).is_dir() and not Path(target).exists()
     assert all(path.split(":")[:2] == [site, str(REPOSITORY)] for _, _, path in run["calls"])
+    # The random weights' part gives the build's own time, and the benchmarks' wait apart.
+    checkpoint = report["parts"][3]
+    assert re.fullmatch(r"built in the background, the benchmarks waited \d+ s for it",
+                        checkpoint["note"])
+    assert f"== checkpoint: ok after {checkpoint['seconds']} s ({checkpoint['note']})" in \
+        run["log"]
     # The kernels are built for the GPU torch saw (an empty setting counts as none).
     assert all(arch == "9.0" for command, arch, _ in run["calls"] if "kernels" in command)
     assert "flashinfer builds for compute capability 9.0" in run["log"]
     assert "== bench_torch: failed after" in run["log"]
     assert "ran -m tools.gpu_check kernels" in run["log"]
+
+
+def test_a_second_run_finds_the_wheels_where_the_first_installed_them(
+    on_a_gpu, tmp_path: Path
+) -> None:
+    """flashinfer reuses the kernels it built only from the same folder: the wheels are
+    installed once per set of wheels, an interrupted install is not taken for one, and a
+    different set goes elsewhere."""
+    def install_and_path(run: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+        install = run["json"]["parts"][0]
+        return install, {path.split(":")[0] for _, _, path in run["calls"]}
+
+    failed = on_a_gpu(fail="pip install")
+    install, _ = install_and_path(failed)
+    assert install["status"] == "failed" and failed["status"] == 1
+    installed = (tmp_path / "cache" / "nanoqwen" / "gpu-check").iterdir()
+    assert [path.suffix for path in installed] == [".partial"]
+
+    first = on_a_gpu(fail="nothing")
+    install, (site,) = install_and_path(first)
+    assert install["status"] == "ok" and Path(site).is_dir()
+
+    second = on_a_gpu(fail="nothing")
+    install, paths = install_and_path(second)
+    assert install["status"] == "skipped", second["log"]
+    assert install["note"] == f"these wheels are installed already, in {site}"
+    assert paths == {site} and not any("pip install" in c for c, _, _ in second["calls"])
+    assert second["status"] == 0, second["stderr"]
+
+    (tmp_path / "w" / "gguf-0.19.0-py3-none-any.whl").touch()
+    other = on_a_gpu(fail="nothing")
+    install, (other_site,) = install_and_path(other)
+    assert install["status"] == "ok" and other_site != site
 
 
 def test_on_a_gpu_kernels_that_fail_to_build_skip_the_flashinfer_benchmarks(on_a_gpu) -> None:

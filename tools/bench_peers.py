@@ -99,14 +99,15 @@ def peer_environment(threads: int) -> dict[str, str]:
     (a peer runs with its own defaults, as its users run it), on `threads` threads."""
     inherited = {name: value for name, value in os.environ.items()
                  if name not in nanoqwen.SET_ON_IMPORT}
-    return {**inherited, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": vllm_thread_binding(threads)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": vllm_thread_binding(threads), **inherited,
+            "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
 
 def vllm_thread_binding(threads: int) -> str:
-    """vLLM's CPU thread binding for `threads` threads: the first cores this process may run
-    on, as a list (`0,1`). Its default, `auto`, keeps a core of a small machine for its
-    server, and the older `all` is refused by newer releases; a list means the same to all."""
+    """vLLM's CPU thread binding for `threads` threads (unless the environment sets one):
+    the first cores this process may run on, as a list (`0,1`). Its default, `auto`, keeps
+    a core of a small machine for its server, and the older `all` is refused by newer
+    releases; a list means the same to all."""
     cores = sorted(os.sched_getaffinity(0))[:threads]
     return ",".join(str(core) for core in cores)
 

@@ -8,17 +8,19 @@
 #
 # For a machine with a CUDA GPU, a CUDA build of torch, nvcc and transformers, and no
 # package index. In order, each part under a time limit:
-#   install       the wheels of .whl/ into a folder of the check's own, without an index
+#   install       the wheels of .whl/ into a folder of the check's own, without an index,
+#                 once (~/.cache/nanoqwen/gpu-check: later runs find them there)
 #   environment   the GPU, driver, torch and its CUDA, nvcc, flashinfer, other versions
 #   kernels       flashinfer's kernels for Qwen3-0.6B's shape, built as an engine does at
 #                 start-up (decode, then FA3 prefill or FA2's), for this GPU only, timed
-#   pytest        pytest -m cuda (it builds the test models' kernels too)
 #   bench_graphs  bench.py on random weights of Qwen3-0.6B's shape with nano-vllm's published
 #                 workload (256 requests, prompts and outputs of 100-1024 tokens, max_model_len
 #                 4096), flashinfer with CUDA graphs
 #   bench_eager   the same, --enforce-eager
 #   bench_torch   the same, --attention-backend torch
 #   bench_batch1  one request, 128 tokens in, 256 out, against the bandwidth and dense floors
+#   pytest        pytest -m cuda (it builds the test models' kernels too), last, in the time
+#                 the others left
 # The random weights are built in the background meanwhile (part "checkpoint"). It writes
 # OUTDIR/gpu_check.json (every figure; docs/gpu.md says what it holds) and OUTDIR/gpu_check.log
 # (everything printed), and exits with 1 if a part failed or ran out of its time.
@@ -58,13 +60,26 @@ PRESET=qwen3-0.6b
 STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 : >"$LOG"
 
-# The parts' records, the wheels' install folder and the parts' own results live here until
-# the report gathers them into OUTDIR.
+# The parts' records and their own results live here until the report gathers them into
+# OUTDIR.
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/nanoqwen-gpu-check.XXXXXX")
-SITE=$WORK/site
+# The wheels are installed once per set of wheels, into a folder that stays: flashinfer's
+# kernel cache is only reused from the same flashinfer folder (the build files it writes name
+# its headers' paths, and ninja rebuilds a module whose command line or headers changed).
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+SITE=$WORK/site  # where no wheels are installed: nothing there
+if (( ${#wheels[@]} )); then
+    wheels_id=$(printf '%s\n' "${wheels[@]##*/}" | sort | sha256sum | cut -c1-12)
+    SITE=${XDG_CACHE_HOME:-$HOME/.cache}/nanoqwen/gpu-check/site-$wheels_id
+fi
 CHECKPOINT_PID=""
 cleanup() {
-    if [[ -n $CHECKPOINT_PID ]]; then kill "$CHECKPOINT_PID" 2>/dev/null || true; fi
+    # The background build is a shell that runs `timeout` (which passes the signal on): both.
+    if [[ -n $CHECKPOINT_PID ]]; then
+        pkill -P "$CHECKPOINT_PID" 2>/dev/null || true
+        kill "$CHECKPOINT_PID" 2>/dev/null || true
+    fi
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -74,21 +89,25 @@ trap cleanup EXIT
 # skipped, and time a part leaves unused goes to the next. A part that outruns its limit is
 # interrupted with SIGINT (pytest then still reports what ran), and killed GRACE_S later.
 # On a machine that has never built flashinfer's kernels, compiling them takes most of the
-# time (the kernels part, then pytest's own models); the floors keep the benchmarks' time
-# from going to it. flashinfer caches what it built (~/.cache/flashinfer), and so does the
-# random-weights checkpoint (~/.cache/nanoqwen): a second run starts where the first left.
+# time (the kernels part, then pytest's own models): the tests run last, so that what the
+# benchmarks leave of their caps goes to them, and the floors keep the kernels' build from
+# taking the benchmarks' time. flashinfer caches what it built (~/.cache/flashinfer), and
+# so does the random-weights checkpoint (~/.cache/nanoqwen): a second run, from the same
+# installed wheels and for the same FLASHINFER_CUDA_ARCH_LIST, starts where the first left.
+# The floors are what each benchmark took on the first run on an H100 (docs/gpu.md), and a
+# margin: bench.py spends some 20 s importing and starting its engines before it measures.
 TOTAL_S=540
 REPORT_S=15  # kept for the report at the end
 GRACE_S=10
 #      part          cap  floor  (seconds)
-PARTS="install        60    20
-       environment    90    10
+PARTS="install        60    10
+       environment    60    10
        kernels       240    60
-       pytest        240    60
-       bench_graphs  120    75
-       bench_eager   100    60
-       bench_torch   150    60
-       bench_batch1   60    30"
+       bench_graphs   80    60
+       bench_eager    80    65
+       bench_torch   150   125
+       bench_batch1   60    45
+       pytest        400    60"
 
 say() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
 part_field() { awk -v name="$1" -v field="$2" '$1 == name { print $field }' <<<"$PARTS"; }
@@ -153,7 +172,10 @@ BENCH_BATCH1=("${BENCH[@]}" "${BATCH1[@]}" --attention-backend flashinfer --floo
 # --continue-on-collection-errors keeps a test file that fails to import from stopping the rest.
 PYTEST=("$PYTHON" -m pytest -m cuda -o addopts= -p no:cacheprovider -v -ra --durations=10
         --continue-on-collection-errors --junitxml "$WORK/pytest.xml" tests)
-INSTALL=("$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE")
+# Into a folder of its own first, renamed into place once complete, so that an interrupted
+# install is never taken for a finished one.
+INSTALL=("$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile
+         --target "$SITE.partial")
 KERNELS=("$PYTHON" -m tools.gpu_check kernels --preset "$PRESET" --out "$WORK/kernels.json")
 CHECKPOINT=("$PYTHON" -m tools.gpu_check checkpoint --preset "$PRESET"
             --out "$WORK/checkpoint.json")
@@ -190,16 +212,19 @@ if [[ $MODE == dry-run ]]; then
 fi
 
 # --- install
-shopt -s nullglob
-wheels=("$WHEELS"/*.whl)
 if [[ $MODE == dry-run ]]; then
     skip install "dry run: the wheels are for the GPU machine's Python" "${INSTALL[@]}" \
         "$WHEELS/*.whl"
 elif (( ${#wheels[@]} == 0 )); then
     skip install "no wheels in $WHEELS/ (tools/gpu_wheels.sh downloads them): this Python's \
 own packages are used" "${INSTALL[@]}"
+elif [[ -d $SITE ]]; then
+    skip install "these wheels are installed already, in $SITE" "${INSTALL[@]}" "${wheels[@]}"
 else
+    mkdir -p "$(dirname "$SITE")"
+    rm -rf "$SITE.partial"
     run_part install "${INSTALL[@]}" "${wheels[@]}"
+    if [[ $LAST_OUTCOME == ok ]]; then mv "$SITE.partial" "$SITE"; fi
 fi
 
 # --- environment; then the random weights build in the background while the kernels do
@@ -215,34 +240,36 @@ if [[ $MODE == gpu ]]; then
         # too, on a machine of one kind of GPU; set here so the log shows it).
         export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-$capability}
         say "flashinfer builds for compute capability $FLASHINFER_CUDA_ARCH_LIST"
-        checkpoint_start=$SECONDS
-        timeout 300 "${CHECKPOINT[@]}" >"$WORK/checkpoint.out" 2>&1 &
+        # Its own time is recorded as it ends, apart from how long the benchmarks waited.
+        {
+            checkpoint_start=$(date +%s)
+            status=0
+            timeout 300 "${CHECKPOINT[@]}" || status=$?
+            echo $(( $(date +%s) - checkpoint_start )) >"$WORK/checkpoint.seconds"
+            exit $status
+        } >"$WORK/checkpoint.out" 2>&1 &
         CHECKPOINT_PID=$!
     fi
 fi
 
-# --- the kernels and the tests
-KERNELS_OUTCOME=""
+# --- the kernels; then the benchmarks, once the random weights are there; then the tests
 if [[ $MODE == gpu ]]; then
     run_part kernels "${KERNELS[@]}"
     KERNELS_OUTCOME=$LAST_OUTCOME
-    run_part pytest "${PYTEST[@]}"
-else
-    skip kernels "dry run: needs a CUDA GPU" "${KERNELS[@]}"
-    skip pytest "dry run: needs a CUDA GPU" "${PYTEST[@]}"
-fi
-
-# --- the benchmarks, once the random weights are there
-if [[ $MODE == gpu ]]; then
     say "== checkpoint: waiting for the random weights (built in the background)"
+    waited=$SECONDS
     if wait "$CHECKPOINT_PID"; then
         status=ok; note=""
     else
         status=failed; note="exit status $?"
     fi
     CHECKPOINT_PID=""
+    waited=$(( SECONDS - waited ))
+    built=$(cat "$WORK/checkpoint.seconds" 2>/dev/null || echo 0)
+    note="${note:+$note; }built in the background, the benchmarks waited ${waited} s for it"
     tee -a "$LOG" <"$WORK/checkpoint.out"
-    record checkpoint "$status" "$(( SECONDS - checkpoint_start ))" 300 "$note" "${CHECKPOINT[*]}"
+    say "== checkpoint: $status after $built s ($note)"
+    record checkpoint "$status" "$built" 300 "$note" "${CHECKPOINT[*]}"
     # Kernels that failed to build (rather than ran out of time, when the next build goes on
     # from where this one stopped) would fail every flashinfer part the same way.
     if [[ $KERNELS_OUTCOME == failed ]]; then
@@ -257,12 +284,15 @@ if [[ $MODE == gpu ]]; then
         run_part bench_torch "${BENCH_TORCH[@]}"
         run_part bench_batch1 "${BENCH_BATCH1[@]}"
     fi
+    run_part pytest "${PYTEST[@]}"
 else
+    skip kernels "dry run: needs a CUDA GPU" "${KERNELS[@]}"
     skip checkpoint "dry run: only the benchmarks need it" "${CHECKPOINT[@]}"
     skip bench_graphs "dry run: needs a CUDA GPU" "${BENCH_GRAPHS[@]}"
     skip bench_eager "dry run: needs a CUDA GPU" "${BENCH_EAGER[@]}"
     skip bench_torch "dry run: needs a CUDA GPU" "${BENCH_TORCH[@]}"
     skip bench_batch1 "dry run: needs a CUDA GPU" "${BENCH_BATCH1[@]}"
+    skip pytest "dry run: needs a CUDA GPU" "${PYTEST[@]}"
 fi
 
 # --- the report: one JSON, and a summary at the end of the log

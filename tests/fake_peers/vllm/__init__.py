@@ -2,8 +2,19 @@
 `bench.py --compare vllm` can be tested where vLLM is not installed. Its "model" continues
 every prompt with the same arithmetic on token ids, one token per request per step."""
 
+import os
+import re
+
 __version__ = "0.0-fake"
 VOCAB = 600
+
+
+def check_thread_binding() -> None:
+    """Refuse a CPU thread binding as vLLM 0.32 does: `auto`, `nobind`, or lists of cores
+    (`0,1`, `0-3`, ranks apart by `|`); anything else (`all`) fails its engine's start."""
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if binding not in ("auto", "nobind") and not re.fullmatch(r"[\d,\-|]+", binding):
+        raise ValueError(f"invalid literal for int() with base 10: {binding!r}")
 
 
 class SamplingParams:
@@ -50,6 +61,7 @@ def next_token(tokens: list[int]) -> int:
 class LLM:
     def __init__(self, model: str, dtype: str, max_model_len: int, max_num_seqs: int,
                  enforce_eager: bool, seed: int) -> None:
+        check_thread_binding()
         self.llm_engine = _Engine()
 
     def generate(self, prompts: list[dict], params: SamplingParams, use_tqdm: bool) -> list:

@@ -7,7 +7,7 @@ import argparse
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from vllm import next_token
+from vllm import check_thread_binding, next_token
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--host", default="127.0.0.1")
     options, _ = parser.parse_known_args()  # dtype, context, batch size: nothing to set
+    check_thread_binding()
     Handler.model = options.model
     ThreadingHTTPServer((options.host, options.port), Handler).serve_forever()
 
