@@ -52,6 +52,7 @@ from server_helpers import client_for, running_server  # noqa: E402
 
 from nanoqwen import config  # noqa: E402
 from nanoqwen.server import OpenAIServer  # noqa: E402
+from nanoqwen.weights import loader  # noqa: E402
 from tools.checkpoints import (  # noqa: E402
     build_qwen2,
     build_qwen2_moe,
@@ -99,6 +100,17 @@ def a_machine_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     code written for readers (the learning path's blocks), which names no device."""
     monkeypatch.setattr(
         config, "resolve_device", lambda device: CHOOSE_DEVICE("cpu" if device is None else device)
+    )
+
+
+@pytest.fixture
+def weights_as_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models keep their linear weights as the checkpoint gave them, not prepacked for
+    oneDNN as a CPU's float32 model is (`model/packed.py`): for tests that read `.weight`
+    (a packed weight is an opaque tensor only oneDNN's matmul reads)."""
+    chosen = loader.weight_form
+    monkeypatch.setattr(
+        loader, "weight_form", lambda *args: None if chosen(*args) == "onednn_packed" else chosen(*args)
     )
 
 

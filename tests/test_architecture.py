@@ -44,7 +44,7 @@ FEATURE_MODULES = (
     "nanoqwen.speculative", "nanoqwen.parallel", "nanoqwen.weights.gguf",
     "nanoqwen.weights.gptq_awq", "nanoqwen.weights.quantization", "nanoqwen.sampling.grammar",
     "nanoqwen.sampling.logprobs", "nanoqwen.sampling.penalties", "nanoqwen.sampling.pooling",
-    "nanoqwen.server", "nanoqwen.memory.kv_quant", "nanoqwen.model.packed",
+    "nanoqwen.server", "nanoqwen.memory.kv_quant",
     "nanoqwen.runner.memory_profile", "nanoqwen.runner.cuda_graph",
     "nanoqwen.scheduling.policies", "nanoqwen.scheduling.swapping", "nanoqwen.memory.swap",
 )

@@ -30,7 +30,7 @@ def rewrite_weights(model_dir: Path, edit) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def test_fused_parameters_hold_the_checkpoint_blocks(model_dir: str) -> None:
+def test_fused_parameters_hold_the_checkpoint_blocks(model_dir: str, weights_as_loaded: None) -> None:
     checkpoint = read_checkpoint(model_dir)
     config = checkpoint.model_config
     model = load_model(checkpoint, torch.float32, torch.device("cpu"))

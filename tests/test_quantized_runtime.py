@@ -70,7 +70,9 @@ def error_bound(weight: torch.Tensor, x: torch.Tensor, mode: str, group_size: in
 
 
 @pytest.mark.parametrize("mode, dtype", [("int8", torch.float32), ("int8", torch.bfloat16), ("int4", torch.bfloat16)])
-def test_every_linear_layer_is_within_its_quantization_error(model_dir: str, mode: str, dtype: torch.dtype) -> None:
+def test_every_linear_layer_is_within_its_quantization_error(
+    model_dir: str, mode: str, dtype: torch.dtype, weights_as_loaded: None
+) -> None:
     dense, quantized = load(model_dir, dtype, "none"), load(model_dir, dtype, mode)
     generator = torch.Generator().manual_seed(0)
     group_size = int4_group_size(128, [layer.in_features for layer in decoder_linears(dense)])

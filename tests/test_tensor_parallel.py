@@ -365,7 +365,8 @@ def test_quantized_weights_are_refused_before_any_process_starts(
     ("model", "size"), [("qwen2_dir", 2), ("qwen3_dir", 4), ("six_heads_dir", 3)]
 )
 def test_each_rank_reads_only_its_slice_of_the_checkpoint(
-    model: str, size: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    model: str, size: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+    weights_as_loaded: None,
 ) -> None:
     """Loading needs no other rank: every rank's weights, loaded alone, are the slices of
     the full model's, and the loader reads nothing more than those slices."""

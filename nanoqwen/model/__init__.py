@@ -6,5 +6,5 @@ Read `config.py` (the model's shape, and the kinds each layer is made of), `laye
 logits only for the rows that are sampled). The newer kinds: `moe.py` (a mixture of
 experts), `gated_attention.py` and `gated_deltanet.py` with its maths in `delta_rule.py`
 (the hybrid models' layers). Besides: `rope_scaling.py` (dynamic RoPE, per request) and
-`packed.py` (bf16 weights prepacked for oneDNN on a CPU, a weight form of the loader).
+`packed.py` (weights prepacked for oneDNN on a CPU, a weight form of the loader).
 """

@@ -182,8 +182,15 @@ class RowParallelLinear(nn.Linear):
         return read_block(param, source, 0, [self.in_split], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Each rank's columns give a partial sum of the output; add them up.
-        return self.tp.all_reduce(super().forward(x))
+        partial = super().forward(x)  # this rank's columns' share: the ranks' shares add up
+        return partial if self.tp.size == 1 else self.tp.all_reduce(partial)
+
+
+class PackedMatmul(nn.Linear):
+    """`x @ W.T + b`, `W` prepacked for oneDNN: the CPU's linear layers (`packed.py`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -31,8 +31,8 @@ Quantized checkpoints arrive as float tensors like any other: a GGUF file's tens
 dequantized where they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers unpacked
 (`gptq_awq.py`). Once the model is full, one *weight form* may convert its linear layers
 (`WEIGHT_FORMS`, a table, each form in its own module, imported only when used): int8 or
-int4 codes with their kernels (`quantization.py`), or, for a bf16 model on a CPU with bf16
-arithmetic, oneDNN's prepacked layout (`model/packed.py`). One form cannot wait for a
+int4 codes with their kernels (`quantization.py`), or, for a float32 model on a CPU (and a
+bf16 one where the CPU has bf16 arithmetic), oneDNN's prepacked layout (`model/packed.py`). One form cannot wait for a
 full model, as that would be many times its size: a 4-bit GGUF file on a CPU keeps each
 layer's own codes as its tensors arrive (`KEPT_AS_LOADED`, `gguf_codes.py`).
 """
@@ -189,13 +189,14 @@ def weight_form(
     int4 of a GGUF file on a CPU keeps the file's own 4-bit codes: the tensors stored in
     Q4_0, Q4_1 or Q4_K become `Int4Linear`s of their codes, the others and the embedding
     int8 rows, which hold them more closely than 4 bits could. Elsewhere int4 re-rounds the
-    weights onto torchao's grid. A bf16 model on a CPU that multiplies bf16 in hardware is prepacked.
+    weights onto torchao's grid. A float32 model on a CPU is prepacked for oneDNN, and a bf16 one
+    where the CPU multiplies bf16 in hardware.
     """
     if scheme is not None:
         file_codes = scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
         return "gguf_codes" if file_codes else scheme.mode
-    packs = (device.type == "cpu" and dtype == torch.bfloat16
-             and torch.backends.mkldnn.is_available() and cpu_has_native_bf16())
+    onednn_multiplies = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and onednn_multiplies
     return "onednn_packed" if packs else None
 
 
