@@ -109,9 +109,12 @@ def weights_as_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     oneDNN as a CPU's float32 model is (`model/packed.py`): for tests that read `.weight`
     (a packed weight is an opaque tensor only oneDNN's matmul reads)."""
     chosen = loader.weight_form
-    monkeypatch.setattr(
-        loader, "weight_form", lambda *args: None if chosen(*args) == "onednn_packed" else chosen(*args)
-    )
+
+    def unpacked(*args: object) -> str | None:
+        form = chosen(*args)
+        return None if form == "onednn_packed" else form
+
+    monkeypatch.setattr(loader, "weight_form", unpacked)
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,9 @@ BF16 = pytest.param(
     ),
 )
 DTYPES = [torch.float32, BF16]
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-pytestmark = needs_onednn
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch without oneDNN"
+)
 
 
 def assert_same_product(packed: torch.Tensor, expected: torch.Tensor) -> None:
@@ -89,13 +90,15 @@ def test_packing_leaves_greedy_tokens_unchanged_and_gives_a_tied_lm_head_its_own
     for packs in (True, False):
         form = "onednn_packed" if packs else None
         monkeypatch.setattr(loader, "weight_form", lambda *args, form=form: form)
-        engines.append(LLMEngine(model_dir, device="cpu", dtype=dtype, num_pages=200, max_num_seqs=16))
+        engine = LLMEngine(model_dir, device="cpu", dtype=dtype, num_pages=200, max_num_seqs=16)
+        engines.append(engine)
     packed, plain = (engine.runner.model for engine in engines)
     assert packed.model.layers[0].mlp.down_proj.weight.is_mkldnn
     assert not plain.model.layers[0].mlp.down_proj.weight.is_mkldnn
     assert not packed.model.embed_tokens.weight.is_mkldnn  # the lookup keeps its plain rows
     assert packed.lm_head.weight.is_mkldnn
-    assert plain.config.tie_word_embeddings == (plain.lm_head.weight is plain.model.embed_tokens.weight)
+    tied = plain.lm_head.weight is plain.model.embed_tokens.weight
+    assert plain.config.tie_word_embeddings == tied
     assert torch.equal(packed.lm_head.weight.to_dense(), plain.lm_head.weight)  # same bits
     prompts = random_prompts(800, [1, 9, 40, 250, 17], seed=7)
     tokens = []

@@ -32,9 +32,10 @@ dequantized where they are read (`gguf.py`), a GPTQ/AWQ layer's packed integers 
 (`gptq_awq.py`). Once the model is full, one *weight form* may convert its linear layers
 (`WEIGHT_FORMS`, a table, each form in its own module, imported only when used): int8 or
 int4 codes with their kernels (`quantization.py`), or, for a float32 model on a CPU (and a
-bf16 one where the CPU has bf16 arithmetic), oneDNN's prepacked layout (`model/packed.py`). One form cannot wait for a
-full model, as that would be many times its size: a 4-bit GGUF file on a CPU keeps each
-layer's own codes as its tensors arrive (`KEPT_AS_LOADED`, `gguf_codes.py`).
+bf16 one where the CPU has bf16 arithmetic), oneDNN's prepacked layout (`model/packed.py`).
+One form cannot wait for a full model, as that would be many times its size: a 4-bit GGUF
+file on a CPU keeps each layer's own codes as its tensors arrive (`KEPT_AS_LOADED`,
+`gguf_codes.py`).
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ def weight_form(
     if scheme is not None:
         file_codes = scheme.mode == "int4" and checkpoint.is_gguf and device.type == "cpu"
         return "gguf_codes" if file_codes else scheme.mode
-    onednn_multiplies = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
-    packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and onednn_multiplies
+    onednn_pays = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    packs = device.type == "cpu" and torch.backends.mkldnn.is_available() and onednn_pays
     return "onednn_packed" if packs else None
 
 
