@@ -73,10 +73,6 @@ if plotting:
     from tools import bench_plot
 
 
-def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
-    return json.loads(run_bench_process(tmp_path, *args).stdout_json)
-
-
 class BenchRun(subprocess.CompletedProcess):
     stdout_json: str
 
@@ -120,7 +116,7 @@ def bench_run(
 
     def run(*args: str) -> InProcessRun:
         out = tmp_path / "result.json"
-        result = CliRunner().invoke(bench.main, [*args, "--device", "cpu", "--json", str(out)])
+        result = invoke_bench(*args, "--device", "cpu", "--json", str(out))
         assert result.exit_code == 0, result.output
         return InProcessRun(result.stdout, result.stderr, out.read_text())
 
@@ -512,7 +508,8 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
 
 
 def invoke_bench(*args: str) -> click.testing.Result:
-    """bench.py's command line in this process: for what it refuses before any run."""
+    """bench.py's command line in this process, as given (`bench_run` adds a device and a
+    result file, and the fixtures' settings)."""
     return CliRunner().invoke(bench.main, list(args))
 
 
