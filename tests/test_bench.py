@@ -73,6 +73,11 @@ if plotting:
     from tools import bench_plot
 
 
+def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """bench.py in a subprocess; its JSON result (test_floor.py's runs)."""
+    return json.loads(run_bench_process(tmp_path, *args).stdout_json)
+
+
 class BenchRun(subprocess.CompletedProcess):
     stdout_json: str
 
