@@ -51,7 +51,7 @@ def pack_linear_weights(model: nn.Module, *unused: object) -> None:
     (a tied lm_head) is copied: the other module keeps the plain one."""
     for module in model.modules():
         if isinstance(module, nn.Linear) and not isinstance(module, PackedMatmul):
-            hint = rows_hint(module.weight.dtype)  # (no local holds the plain weight past here)
+            hint = rows_hint(module.weight.dtype)  # no local keeps the plain weight alive
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), hint)
             module.weight = nn.Parameter(packed, requires_grad=False)
             module.__class__ = packed_twin(type(module))
