@@ -131,7 +131,8 @@ def test_the_check_refuses_a_missing_outdir_and_unknown_options() -> None:
 # What the GPU machine's Python does for each part, as far as the check can tell: it writes
 # the files the part is asked for (copies of the ones in the `canned` folder, named after
 # them) and notes each call. `capability` and `report` run for real. A call whose command
-# line holds FAKE_FAIL fails.
+# line holds FAKE_FAIL fails; the first FAKE_STALLS calls whose command line holds FAKE_STALL
+# exit as `timeout` does when it stops a command (124).
 FAKE_PYTHON = """#!{python}
 import os, shutil, sys
 from pathlib import Path
@@ -144,6 +145,10 @@ if args[:2] == ["-m", "tools.gpu_check"] and args[2] in ("capability", "report")
     os.execv(sys.executable, [sys.executable, *args])
 if args[:3] == ["-m", "pip", "install"]:
     Path(args[args.index("--target") + 1]).mkdir(parents=True)
+stall = os.environ["FAKE_STALL"]
+if stall and stall in " ".join(args) and \
+        (canned / "calls.txt").read_text().count(stall) <= int(os.environ["FAKE_STALLS"]):
+    sys.exit(124)
 if os.environ["FAKE_FAIL"] in " ".join(args):
     sys.exit(3)
 if args[:3] == ["-m", "pip", "install"]:
@@ -196,7 +201,7 @@ def on_a_gpu(tmp_path: Path):
     for script in (python, nvidia_smi):
         script.chmod(0o755)
 
-    def run(fail: str) -> dict[str, Any]:
+    def run(fail: str, stall: str = "", stalls: int = 1) -> dict[str, Any]:
         (canned / "calls.txt").unlink(missing_ok=True)
         completed = subprocess.run(
             ["bash", str(REPOSITORY / "tools" / "gpu_check.sh"), str(out)],
@@ -204,7 +209,8 @@ def on_a_gpu(tmp_path: Path):
             env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                  "PYTHON": str(python), "WHEELS": str(wheels), "TMPDIR": str(tmp_path),
                  "XDG_CACHE_HOME": str(tmp_path / "cache"),
-                 "FLASHINFER_CUDA_ARCH_LIST": "", "FAKE_FAIL": fail},
+                 "FLASHINFER_CUDA_ARCH_LIST": "", "FAKE_FAIL": fail,
+                 "FAKE_STALL": stall, "FAKE_STALLS": str(stalls)},
         )
         calls = [line.split("\t") for line in (canned / "calls.txt").read_text().splitlines()]
         return {"status": completed.returncode, "stderr": completed.stderr, "calls": calls,
@@ -300,6 +306,37 @@ def test_on_a_gpu_kernels_that_fail_to_build_skip_the_flashinfer_benchmarks(on_a
     assert parts["pytest"]["status"] == parts["bench_torch"]["status"] == "ok"
     assert list(run["json"]["benchmarks"]) == ["bench_torch"]
     assert not any("--attention-backend flashinfer" in command for command, _, _ in run["calls"])
+
+
+def test_on_a_gpu_a_kernel_build_out_of_time_goes_on_in_the_benchmarks_time(on_a_gpu) -> None:
+    """An interrupted build leaves the rest to do: it is resumed once, in the time set aside
+    for the flashinfer benchmarks, and they run after it, in order, in what is left."""
+    run = on_a_gpu(fail="nothing", stall="tools.gpu_check kernels")
+    parts = [(part["name"], part["status"]) for part in run["json"]["parts"]]
+    assert parts[2:4] == [("kernels", "timed_out"), ("kernels_resumed", "ok")], parts
+    assert [name for name, status in parts[5:]] == [
+        "bench_graphs", "bench_eager", "bench_torch", "bench_batch1", "pytest"]
+    assert all(status == "ok" for _, status in parts[3:])
+    resumed = run["json"]["parts"][3]
+    # Its limit took the flashinfer benchmarks' floors: more than the 540 s run less the
+    # torch benchmark's and the tests' floors could otherwise give it past the first build.
+    assert resumed["limit_s"] == 170
+    kernel_calls = [c for c, _, _ in run["calls"] if "tools.gpu_check kernels" in c]
+    assert len(kernel_calls) == 2 and kernel_calls[0] == kernel_calls[1]
+
+
+def test_on_a_gpu_kernels_still_unbuilt_skip_the_flashinfer_benchmarks(on_a_gpu) -> None:
+    """Out of time twice, the build is not begun a third time by each benchmark."""
+    run = on_a_gpu(fail="nothing", stall="tools.gpu_check kernels", stalls=2)
+    assert run["status"] == 1, run["stderr"]
+    parts = {part["name"]: part for part in run["json"]["parts"]}
+    assert parts["kernels"]["status"] == parts["kernels_resumed"]["status"] == "timed_out"
+    for name in ("bench_graphs", "bench_eager", "bench_batch1"):
+        assert parts[name]["status"] == "skipped"
+        assert parts[name]["note"] == \
+            "flashinfer's kernels were not built in time (see the kernels parts)"
+    assert parts["bench_torch"]["status"] == parts["pytest"]["status"] == "ok"
+    assert sum("tools.gpu_check kernels" in command for command, _, _ in run["calls"]) == 2
 
 
 # ----------------------------------------------------------------- the report's parts
