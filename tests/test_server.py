@@ -54,7 +54,9 @@ from server_helpers import (
 )
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.server import OpenAIServer, ServerSettings, make_server
+from nanoqwen.engine import LLMEngine
+from nanoqwen.outputs import RequestOutput
+from nanoqwen.server import OpenAIServer, ServerSettings, app, make_server
 from nanoqwen.server.app import served_model_id
 
 STATES = ("used", "cached", "free")  # of a KV page, as /metrics labels them
@@ -223,6 +225,34 @@ def test_concurrent_streams_match_offline(qwen3_dir: str) -> None:
         assert no_pages_held(server)
         # The 32 streams and the scrape just above (a scrape counts itself after rendering).
         assert scrape(server)['nanoqwen_http_requests_total{status="200"}'] == 32 + 1
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread_of_its_own(
+    qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenMP gives every thread that runs a parallel op a team of workers of its own: the
+    engine thread loads the model and steps it, and no other thread does either."""
+    seen: dict[str, set[tuple[int, str]]] = {"built": set(), "stepped": set()}
+
+    def on_this_thread(what: str) -> None:
+        seen[what].add((threading.get_ident(), threading.current_thread().name))
+
+    class RecordedEngine(LLMEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            on_this_thread("built")
+            super().__init__(*args, **kwargs)
+
+        def step(self) -> list[RequestOutput]:
+            on_this_thread("stepped")
+            return super().step()
+
+    monkeypatch.setattr(app, "LLMEngine", RecordedEngine)
+    with running_server(qwen3_dir) as server, client_for(server) as client:
+        client.completions.create(model=MODEL, prompt="the quick brown fox", **GREEDY)
+        assert isinstance(server.engine, RecordedEngine)
+    assert seen["built"] == seen["stepped"]
+    [(ident, name)] = seen["built"]
+    assert name == "nanoqwen-engine" and ident != threading.get_ident()
 
 
 # ---------------------------------------------------------------------------- cancellation

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -85,13 +86,13 @@ class OpenAIServer(ThreadingHTTPServer):
             raise ValueError(describe_bind_error(error, host, port)) from None
         self.is_loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
 
-    def serve_engine(self, engine: LLMEngine) -> None:
-        """Start the engine thread that answers the requests `serve_forever` accepts."""
-        self.engine = engine
+    def serve_engine(self, build_engine: Callable[[], LLMEngine]) -> None:
+        """Start the engine thread, which builds the engine and then answers the requests
+        `serve_forever` accepts; return once the engine is built."""
+        self.engine_loop = EngineLoop(build_engine, self.settings.max_queue)
+        self.engine = self.engine_loop.start()
         self.created = int(time.time())
         self.metrics = ServerMetrics(self._engine_stats)
-        self.engine_loop = EngineLoop(engine, engine.config.max_num_seqs + self.settings.max_queue)
-        self.engine_loop.start()
 
     def _engine_stats(self) -> dict[str, Any] | None:
         try:
@@ -207,7 +208,7 @@ def make_server(
         logger.info("loading %s", model)  # once the port is ours: a taken one fails first
         loader.on_tensor_loaded = log_quarters
         try:
-            engine = LLMEngine(model, **engine_options)
+            server.serve_engine(lambda: LLMEngine(model, **engine_options))
         finally:
             loader.on_tensor_loaded = None
         if not takes_port_first:
@@ -215,7 +216,6 @@ def make_server(
     except BaseException:
         server.server_close()
         raise
-    server.serve_engine(engine)
     return server
 
 

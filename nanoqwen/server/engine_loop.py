@@ -5,6 +5,7 @@ HTTP server is most simply one thread per connection, blocking on its client.
 `EngineLoop` joins the two:
 
     handler threads (one per connection)         engine thread (exactly one)
+                                                 build the engine (load the model)
     parse and validate the request
     reserve its queue slots (or 429)
     tokenize the prompt
@@ -24,6 +25,12 @@ raises `StepError`: the loop aborts its requests, hands their handlers a `Reques
 and keeps serving; any other failure stops the loop for good (`NotServing`; `state` says
 "failed").
 
+The engine thread also builds the engine, before its first step: the thread that runs
+torch's parallel CPU work must be one and the same throughout. OpenMP gives every thread
+that runs a parallel op a team of worker threads of its own, and once a process has more
+of them than cores, the teams stop spinning between ops and sleep; a model loaded on the
+main thread and stepped on another made every step slower (docs/benchmarks.md).
+
 Invariant: every admitted engine request is either in the engine with a route to its
 queue, or finished, with its final output (or failure) delivered and its admission slot
 released. So stopping is: stop taking commands, abort what the engine holds, end the
@@ -36,7 +43,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -154,19 +161,29 @@ Command = tuple[Callable[[LLMEngine], Any], Future]
 class EngineLoop:
     """The one thread that drives the engine; other threads talk to it through commands."""
 
-    def __init__(self, engine: LLMEngine, capacity: int) -> None:
-        self.engine = engine
-        self.capacity = capacity  # engine requests admitted at once, running plus waiting
+    def __init__(self, build_engine: Callable[[], LLMEngine], max_queue: int) -> None:
+        self._build_engine = build_engine
+        self._max_queue = max_queue
+        self.engine: LLMEngine  # set, and `capacity` with it, once the engine thread built it
+        self.capacity = 0  # engine requests admitted at once, running plus waiting
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: stop
         self._routes: dict[str, queue.SimpleQueue[Output]] = {}  # the engine thread's only
         self._lock = threading.Lock()  # guards _state and _num_admitted
         self._state: State = "serving"
         self._num_admitted = 0
-        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine", daemon=True)
 
     # ------------------------------------------------------------ called by other threads
-    def start(self) -> None:
+    def start(self) -> LLMEngine:
+        """Start the engine thread and return the engine once it has built it; raise what
+        building it raised."""
+        built: Future[LLMEngine] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(built,), name="nanoqwen-engine", daemon=True
+        )
         self._thread.start()
+        while not built.done():  # timed: meanwhile the main thread can run a Ctrl-C's handler
+            wait([built], timeout=0.25)
+        return built.result()
 
     def stop(self) -> None:
         """Abort everything in flight (each handler gets its final output) and end the thread."""
@@ -174,7 +191,8 @@ class EngineLoop:
             if self._state == "serving":
                 self._state = "stopped"
                 self._commands.put(None)
-        self._thread.join()
+        if self.capacity:  # a thread still building is left to end with the process
+            self._thread.join()
 
     @property
     def state(self) -> State:
@@ -219,7 +237,14 @@ class EngineLoop:
             self._num_admitted -= count
 
     # ------------------------------------------------------------ the engine thread
-    def _run(self) -> None:
+    def _run(self, built: Future[LLMEngine]) -> None:
+        try:
+            self.engine = self._build_engine()
+        except BaseException as error:  # SystemExit too: a tensor-parallel worker's end
+            built.set_exception(error)
+            return
+        self.capacity = self.engine.config.max_num_seqs + self._max_queue
+        built.set_result(self.engine)
         if self.engine.device.type == "cuda":  # the current CUDA device is set per thread
             torch.cuda.set_device(self.engine.device)
         try:
