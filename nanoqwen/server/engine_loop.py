@@ -164,8 +164,9 @@ class EngineLoop:
     def __init__(self, build_engine: Callable[[], LLMEngine], max_queue: int) -> None:
         self._build_engine = build_engine
         self._max_queue = max_queue
-        self.engine: LLMEngine  # set, and `capacity` with it, once the engine thread built it
-        self.capacity = 0  # engine requests admitted at once, running plus waiting
+        self._built: Future[LLMEngine] = Future()  # done once built, or once building failed
+        self.engine: LLMEngine  # set by the engine thread, before `_built` is done
+        self.capacity = 0  # engine requests admitted at once, running plus waiting: set then too
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()  # None: stop
         self._routes: dict[str, queue.SimpleQueue[Output]] = {}  # the engine thread's only
         self._lock = threading.Lock()  # guards _state and _num_admitted
@@ -176,14 +177,11 @@ class EngineLoop:
     def start(self) -> LLMEngine:
         """Start the engine thread and return the engine once it has built it; raise what
         building it raised."""
-        built: Future[LLMEngine] = Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(built,), name="nanoqwen-engine", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine", daemon=True)
         self._thread.start()
-        while not built.done():  # timed: meanwhile the main thread can run a Ctrl-C's handler
-            wait([built], timeout=0.25)
-        return built.result()
+        while not self._built.done():  # timed: meanwhile the main thread runs a Ctrl-C's handler
+            wait([self._built], timeout=0.25)
+        return self._built.result()
 
     def stop(self) -> None:
         """Abort everything in flight (each handler gets its final output) and end the thread."""
@@ -191,7 +189,7 @@ class EngineLoop:
             if self._state == "serving":
                 self._state = "stopped"
                 self._commands.put(None)
-        if self.capacity:  # a thread still building is left to end with the process
+        if self._built.done():  # a thread still building is left to end with the process
             self._thread.join()
 
     @property
@@ -237,14 +235,14 @@ class EngineLoop:
             self._num_admitted -= count
 
     # ------------------------------------------------------------ the engine thread
-    def _run(self, built: Future[LLMEngine]) -> None:
+    def _run(self) -> None:
         try:
             self.engine = self._build_engine()
         except BaseException as error:  # SystemExit too: a tensor-parallel worker's end
-            built.set_exception(error)
+            self._built.set_exception(error)
             return
         self.capacity = self.engine.config.max_num_seqs + self._max_queue
-        built.set_result(self.engine)
+        self._built.set_result(self.engine)
         if self.engine.device.type == "cuda":  # the current CUDA device is set per thread
             torch.cuda.set_device(self.engine.device)
         try:
