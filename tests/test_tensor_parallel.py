@@ -486,8 +486,9 @@ def test_step_broadcast_carries_everything_the_model_reads(with_states: bool) ->
 
 
 def test_a_checkpoint_that_fails_to_load_fails_every_rank_cleanly(
-    qwen2_dir: str, tmp_path: Path
+    qwen2_dir: str, tmp_path: Path, engines: Engines
 ) -> None:
+    engines.close()  # one split engine per process at a time
     broken = tmp_path / "broken"
     shutil.copytree(qwen2_dir, broken)
     weights = load_file(broken / "model.safetensors")
