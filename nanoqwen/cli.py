@@ -79,7 +79,7 @@ ENGINE_OPTIONS = [
     click.option("--num-pages", default=None, type=click.IntRange(min=1),
                  help="KV-cache size in pages (overrides --kv-cache-memory)."),
     click.option("--chunk-size", default=None, type=click.IntRange(min=1),
-                 help="Most prompt tokens prefilled per step. Default: 8192 on CUDA, 512 on CPU."),
+                 help="Most prompt tokens prefilled per step. Default: 8192 on CUDA, 2048 on CPU."),
     click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache",
                  default=engine_default("enable_prefix_cache"),
                  help="Reuse the KV pages of prompt prefixes seen before."),

@@ -176,8 +176,8 @@ class EngineConfig:
             )
         self._check_kv_cache_dtype()
         if self.chunk_size is None:
-            # Big chunks keep a GPU busy; small ones keep a CPU's decodes responsive.
-            self.chunk_size = 8192 if self.device.type == "cuda" else 512
+            # Big chunks keep a GPU busy; on a CPU, 2048 (vLLM's server's) prefills a burst at once.
+            self.chunk_size = 8192 if self.device.type == "cuda" else 2048
         self._check_speculative()
 
     def _check_scheduling_features(self) -> None:

@@ -16,7 +16,7 @@ from oracle import check_page_accounting, greedy, random_prompts, run_to_complet
 from nanoqwen import LLMEngine
 
 VOCAB = 800
-# 504 tokens: one first step (the CPU's chunk is 512) prefills them all.
+# 504 tokens: one first step (the CPU's chunk is 2048) prefills them all.
 PROMPT_LENGTHS = [1, 9, 40, 250, 17, 64, 33, 90]
 NEW_TOKENS = 20
 
