@@ -78,9 +78,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -787,8 +788,9 @@ def rate_key(rate: float) -> str:
 
 class LoadBench:
     """Runs of the workload at each of the load's rates, by engine: the in-process engine,
-    and the servers. Every server is started once, driven at each rate, and stopped before
-    the next one starts."""
+    and the servers. Each rate gets a server started for it and stopped before the next
+    one starts: every rate sends the same prompts, and a server's prefix cache would hold
+    the last rate's (the in-process engine empties its own before each run)."""
 
     def __init__(self, bench: Bench, load: Load, settings: Metrics) -> None:
         self.bench, self.load, self.settings = bench, load, settings
@@ -815,12 +817,12 @@ class LoadBench:
         del engine
         free_memory()
 
-    def server_rounds(self, label: str, server: AbstractContextManager[Endpoint],
+    def server_rounds(self, label: str, start: Callable[[], AbstractContextManager[Endpoint]],
                       index: int) -> None:
         try:
-            with server as endpoint:
-                self._warm_up(endpoint)
-                for rate in self.load.rates:
+            for rate in self.load.rates:
+                with start() as endpoint:
+                    self._warm_up(endpoint)
                     description = f"{label}, {describe_rate(rate)}, round {index + 1}"
                     self._add(label, rate, self._drive(endpoint, rate, description))
         except PeerUnavailable as error:  # it did not start, or did not answer: the
@@ -887,15 +889,16 @@ def run_load(
         if servers.endpoint is None:
             runs.engine_rounds(options, index)
         if servers.serve:
-            server = nanoqwen_server(model_dir, options, settings["threads"])
-            runs.server_rounds("nanoqwen server", server, index)
-        if servers.endpoint is not None:
-            runs.server_rounds(servers.endpoint, served_endpoint(servers.endpoint), index)
+            runs.server_rounds("nanoqwen server", partial(
+                nanoqwen_server, model_dir, options, settings["threads"]), index)
+        if servers.endpoint is not None:  # someone else's: its cache is theirs to empty
+            runs.server_rounds(servers.endpoint, partial(served_endpoint, servers.endpoint),
+                               index)
         if servers.vllm_python is not None:
-            server = vllm_server(servers.vllm_python, model_dir, dtype, settings["threads"],
-                                 max(longest, WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS),
-                                 settings["max_num_seqs"])
-            runs.server_rounds("vLLM server", server, index)
+            runs.server_rounds("vLLM server", partial(
+                vllm_server, servers.vllm_python, model_dir, dtype, settings["threads"],
+                max(longest, WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS),
+                settings["max_num_seqs"]), index)
     return runs.result()
 
 

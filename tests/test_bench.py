@@ -944,9 +944,10 @@ def test_servers_serve_the_same_requests_side_by_side(
     bench_run: Callable[..., InProcessRun], qwen3_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--serve starts serve.py, --compare vllm a stand-in for vLLM's server: both stream the
-    engine's requests, at each rate, and nanoqwen's server answers with the engine's text."""
+    engine's requests, at each rate, and nanoqwen's server answers with the engine's text.
+    Every rate sends the same prompts, each to a server of its own: none is a cache hit."""
     monkeypatch.setenv("PYTHONPATH", f"{FAKE_PEERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    spec = workload(num_seqs=4)
+    spec = workload(num_seqs=4, min_input=20)  # every prompt fills a page of 16
     result = json.loads(bench_run("--model", qwen3_dir, *cli_args(spec), "--serve",
                                   "--compare", "vllm", "--max-concurrency", "2",
                                   "--request-rate", "inf", "--request-rate", "100").stdout_json)
@@ -955,6 +956,7 @@ def test_servers_serve_the_same_requests_side_by_side(
         assert list(by_rate) == ["inf", "100"]
         for figures in by_rate.values():
             check_load_figures(figures, spec, qwen3_dir)
+            assert figures["prefix_hit_rate"] == 0.0
     for figures in result["load"]["nanoqwen server"].values():
         assert figures["agreement"] == 1.0  # greedy: the very same text
     assert all(ratio > 0 for ratio in result["vs_engine"]["vLLM server"].values())

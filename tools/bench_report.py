@@ -290,7 +290,7 @@ def print_load_report(console: Console, result: Metrics) -> None:
     table = Table(title="Under load: by engine and request rate")
     for name in ("engine", "rate (req/s)", "output tok/s", "vs engine", "TTFT P50 / P95 (ms)",
                  "TPOT P50 / P95 (ms)", "finished (req/s)", "goodput (req/s)", "errors",
-                 "same text"):
+                 "same text", "prefix hits"):
         table.add_column(name, justify="left" if name == "engine" else "right")
     ratios = result.get("vs_engine", {})
     for label, by_rate in result["load"].items():
@@ -304,5 +304,6 @@ def print_load_report(console: Console, result: Metrics) -> None:
                 f"{figures['goodput_req_s']:.2f} ({figures['goodput_share']:.0%})",
                 str(figures.get("errors", 0)),
                 f"{figures['agreement']:.1%}" if "agreement" in figures else "",
+                f"{figures['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in figures else "",
             )
     console.print(table)

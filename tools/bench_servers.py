@@ -57,7 +57,8 @@ def vllm_command(python: str, model_dir: str, port: int, dtype: str, max_model_l
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
             "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--seed", "0", "--enforce-eager"]
+            "--seed", "0", "--enforce-eager",
+            "--enable-prompt-tokens-details"]  # its usage counts prefix-cache hits
 
 
 @contextmanager

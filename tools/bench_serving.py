@@ -16,7 +16,8 @@ with `max_concurrency` a pool of that many threads holds the rest back until one
 from there to its last one, divided by the tokens after the first (TPOT), and whether it
 failed: a status other than 200, an error event in the stream, a broken connection, or
 a stream that ends without `[DONE]`. The run's wall time runs from the first arrival to
-the last request's end.
+the last request's end. Where the usage says (`prompt_tokens_details.cached_tokens`), the
+prompt tokens the server's prefix cache held count too, as the in-process engine's do.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ServedRequest:
     first_token: float | None = None
     last_token: float | None = None
     output_tokens: int = 0  # as the server's usage counts them
+    cached_tokens: int | None = None  # prompt tokens its prefix cache held, where it says
     text: str = ""
     error: str | None = None
 
@@ -129,6 +131,8 @@ def read_events(response: http.client.HTTPResponse, request: ServedRequest) -> N
             request.text += chunk["choices"][0].get("text") or ""
         if chunk.get("usage"):
             request.output_tokens = chunk["usage"]["completion_tokens"]
+            details = chunk["usage"].get("prompt_tokens_details") or {}
+            request.cached_tokens = details.get("cached_tokens")
     request.error = "the stream ended without [DONE]"
 
 
@@ -171,6 +175,7 @@ def summarize_served(
     input_tokens = sum(len(r.prompt_token_ids) for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     errors = [r.error for r in records if r.error is not None or r.first_token is None]
+    cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
     return {
         "requests": len(records),
         "input_tokens": input_tokens,
@@ -184,6 +189,9 @@ def summarize_served(
         **goodput(latencies, objectives, wall_s, len(records)),
         "errors": len(errors),
         "error_messages": sorted(set(str(e) for e in errors))[:5],
+        # as the in-process engine's; only where every request's usage said it
+        **({"prefix_hit_rate": sum(cached) / max(input_tokens, 1)}
+           if done and len(cached) == len(done) else {}),
     }
 
 

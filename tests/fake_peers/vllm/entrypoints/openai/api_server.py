@@ -1,7 +1,9 @@
 """A stand-in for vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), so
 that `bench.py --serve --compare vllm` can be tested where vLLM is not installed: the
 routes the benchmark uses, streaming the fake model's tokens (`vllm.next_token`) as
-vLLM streams them, one chunk per token, the usage last, then `[DONE]`."""
+vLLM streams them, one chunk per token, the usage last, then `[DONE]`. Its prefix cache is
+a set of the prompts it has answered: a prompt seen before counts as cached in the usage
+(vLLM's `--enable-prompt-tokens-details`)."""
 
 import argparse
 import json
@@ -12,6 +14,7 @@ from vllm import check_thread_binding, next_token
 
 class Handler(BaseHTTPRequestHandler):
     model = ""
+    answered: set[tuple[int, ...]] = set()  # the prompts this process has seen
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -31,7 +34,11 @@ class Handler(BaseHTTPRequestHandler):
         for _ in range(body["max_tokens"]):
             tokens.append(next_token(tokens))
             self._event({"choices": [{"index": 0, "text": f" {tokens[-1]}"}]})
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        prompt = tuple(body["prompt"])
+        cached = len(prompt) if prompt in self.answered else 0
+        self.answered.add(prompt)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         self._event({"choices": [], "usage": usage})
         self.wfile.write(b"data: [DONE]\n\n")
 
