@@ -782,6 +782,10 @@ class Servers:
         return self.serve or self.endpoint is not None
 
 
+# A nanoqwen server's count of steps run on fewer CPU threads (`runner/cpu_threads.py`).
+REDUCED_STEPS_COUNTER = "nanoqwen_cpu_reduced_steps"
+
+
 def rate_key(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -850,8 +854,12 @@ class LoadBench:
             self.bench.progress.update(task, completed=tokens, requests=f"{done}/{len(requests)}",
                                        tok_s=rate_so_far)
 
+        reduced_before = endpoint.counter(REDUCED_STEPS_COUNTER)
         records, wall = drive(endpoint, requests, arrivals, self.load.max_concurrency, on_done)
         figures = summarize_served(records, wall, self.load.objectives)
+        reduced_after = endpoint.counter(REDUCED_STEPS_COUNTER)
+        if reduced_before is not None and reduced_after is not None:  # as in process
+            figures["reduced_thread_steps"] = int(reduced_after - reduced_before)
         reference = self.texts.get(rate_key(rate))
         if reference is not None:  # the same greedy text as the engine's, request by request
             figures["agreement"] = token_agreement(reference, [r.text for r in records])

@@ -959,6 +959,9 @@ def test_servers_serve_the_same_requests_side_by_side(
             assert figures["prefix_hit_rate"] == 0.0
     for figures in result["load"]["nanoqwen server"].values():
         assert figures["agreement"] == 1.0  # greedy: the very same text
+        assert figures["reduced_thread_steps"] >= 0  # read from its /metrics
+    for figures in result["load"]["vLLM server"].values():
+        assert "reduced_thread_steps" not in figures  # it has no such counter
     assert all(ratio > 0 for ratio in result["vs_engine"]["vLLM server"].values())
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tools.bench_load import goodput, latency_ms, request_latencies
 
 # A request that makes no progress for this long has failed (the server is stuck).
@@ -70,8 +72,8 @@ class Endpoint:
         return http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80,
                                           timeout=timeout)
 
-    def get_json(self, path: str, timeout: float = 10.0) -> Any:
-        """GET `path`; its JSON, or an `OSError` / `ValueError` if the server has none."""
+    def get(self, path: str, timeout: float = 10.0) -> bytes:
+        """GET `path`'s body, or an `OSError` / `ValueError` if the server has none."""
         connection = self.connection(timeout)
         try:
             connection.request("GET", path)
@@ -81,11 +83,24 @@ class Endpoint:
             connection.close()
         if response.status != 200:
             raise ValueError(f"GET {path} answered {response.status}")
-        return json.loads(body)
+        return body
 
     def served_model(self) -> str:
         """The first model id `GET /v1/models` lists."""
-        return self.get_json("/v1/models")["data"][0]["id"]
+        return json.loads(self.get("/v1/models"))["data"][0]["id"]
+
+    def counter(self, name: str) -> float | None:
+        """A counter's value on the server's Prometheus page (`/metrics`), or None where
+        the server has no such page or counter (vLLM has none of nanoqwen's)."""
+        try:
+            page = self.get("/metrics").decode()
+        except (OSError, ValueError):
+            return None
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == f"{name}_total":
+                    return sample.value
+        return None
 
 
 def stream_completion(endpoint: Endpoint, request: ServedRequest) -> ServedRequest:
