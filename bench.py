@@ -1300,14 +1300,16 @@ def assemble_result(
     "--serve",
     is_flag=True,
     help="Also start serve.py with these engine options and stream the same requests "
-         "through it (with --compare vllm: through vLLM's server too).",
+         "through it (with --compare vllm: through vLLM's server too), a fresh server for "
+         "each rate so that none finds an earlier rate's prompts in its prefix cache.",
 )
 @click.option(
     "--endpoint",
     default=None,
     metavar="URL",
     help="Stream the requests through this running OpenAI-compatible server instead "
-         "(e.g. http://127.0.0.1:8000).",
+         "(e.g. http://127.0.0.1:8000); every rate sends the same prompts, so its prefix "
+         "cache holds the earlier rates' (the report's prefix hits say where it counts them).",
 )
 @click.option(
     "--json",
