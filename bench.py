@@ -782,8 +782,13 @@ class Servers:
         return self.serve or self.endpoint is not None
 
 
-# A nanoqwen server's count of steps run on fewer CPU threads (`runner/cpu_threads.py`).
-REDUCED_STEPS_COUNTER = "nanoqwen_cpu_reduced_steps"
+def reduced_thread_steps(endpoint: Endpoint) -> float | None:
+    """A nanoqwen server's count of steps run on fewer CPU threads (`runner/cpu_threads.py`),
+    or None from a server that does not count them."""
+    try:
+        return endpoint.metric("nanoqwen_cpu_reduced_steps_total")
+    except (OSError, ValueError):  # no /metrics page
+        return None
 
 
 def rate_key(rate: float) -> str:
@@ -854,10 +859,10 @@ class LoadBench:
             self.bench.progress.update(task, completed=tokens, requests=f"{done}/{len(requests)}",
                                        tok_s=rate_so_far)
 
-        reduced_before = endpoint.counter(REDUCED_STEPS_COUNTER)
+        reduced_before = reduced_thread_steps(endpoint)
         records, wall = drive(endpoint, requests, arrivals, self.load.max_concurrency, on_done)
         figures = summarize_served(records, wall, self.load.objectives)
-        reduced_after = endpoint.counter(REDUCED_STEPS_COUNTER)
+        reduced_after = reduced_thread_steps(endpoint)
         if reduced_before is not None and reduced_after is not None:  # as in process
             figures["reduced_thread_steps"] = int(reduced_after - reduced_before)
         reference = self.texts.get(rate_key(rate))

@@ -89,16 +89,15 @@ class Endpoint:
         """The first model id `GET /v1/models` lists."""
         return json.loads(self.get("/v1/models"))["data"][0]["id"]
 
-    def counter(self, name: str) -> float | None:
-        """A counter's value on the server's Prometheus page (`/metrics`), or None where
-        the server has no such page or counter (vLLM has none of nanoqwen's)."""
-        try:
-            page = self.get("/metrics").decode()
-        except (OSError, ValueError):
-            return None
+    def metric(self, name: str, labels: dict[str, str] | None = None,
+               timeout: float = 10.0) -> float | None:
+        """The sample `name` (with exactly these labels) on the server's Prometheus page
+        (`/metrics`), or None where the page has none; an `OSError` / `ValueError` if the
+        server has no such page."""
+        page = self.get("/metrics", timeout).decode()
         for family in text_string_to_metric_families(page):
             for sample in family.samples:
-                if sample.name == f"{name}_total":
+                if sample.name == name and sample.labels == (labels or {}):
                     return sample.value
         return None
 

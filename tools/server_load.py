@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from tools.bench_servers import nanoqwen_server
 from tools.bench_serving import Endpoint
@@ -150,15 +149,7 @@ def resident_mib(pid: int) -> tuple[float, float]:
 
 def cached_pages(endpoint: Endpoint) -> int:
     """KV pages the prefix cache holds now (its growth is bounded by the KV cache's size)."""
-    connection = endpoint.connection(READ_TIMEOUT_SECONDS)
-    try:
-        connection.request("GET", "/metrics")
-        page = connection.getresponse().read().decode()
-    finally:
-        connection.close()
-    return sum(int(sample.value) for family in text_string_to_metric_families(page)
-               for sample in family.samples
-               if sample.name == "nanoqwen_kv_pages" and sample.labels == {"state": "cached"})
+    return int(endpoint.metric("nanoqwen_kv_pages", {"state": "cached"}, READ_TIMEOUT_SECONDS) or 0)
 
 
 def run(endpoint: Endpoint, rounds: int, per_round: int, concurrency: int, seed: int,
